@@ -1,0 +1,126 @@
+"""CMConfig: the one validated, immutable configuration of the gate for a run.
+
+Every default lives in a dataclass here or in a technique's config; the CLI and presets only map
+onto these fields. A technique is enabled by giving its config (None = off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from . import deepcache, fbcache, teacache
+from .decision import PAIR
+from .deepcache import DeepCacheConfig
+from .fbcache import FBCacheConfig
+from .limits import LimitsConfig
+from .teacache import TeaCacheConfig
+from .validate import ConfigError, check_choice, check_float, check_int
+
+# mode name -> (technique module, CMConfig field, config class)
+TECHNIQUES = {
+    fbcache.MODE: (fbcache, "fbcache", FBCacheConfig),
+    teacache.MODE: (teacache, "teacache", TeaCacheConfig),
+    deepcache.MODE: (deepcache, "deepcache", DeepCacheConfig),
+}
+
+# How the two CFG branches of a step relate:
+#   cond_authoritative  the follower (uncond) takes the leader's (cond) action of the same step;
+#                       with cfg_sep_diff it still measures its own signal (seed 001 default)
+#   separate            each branch decides from its own signal and state (seed 002)
+#   shared_diff         each branch decides with its own accumulator, fed the leader's rel
+#   fused               cond and uncond arrive in one call; their rels are combined by pair_reduce
+CFG_MODES = ("cond_authoritative", "separate", "shared_diff", "fused")
+PAIR_REDUCE = ("max", "mean")
+# Where cached residuals live: on the compute device, on the host, or on the device until its
+# memory use passes offload_watermark, then on the host for the rest of the run.
+OFFLOAD = ("gpu", "cpu", "auto")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CMConfig:
+    teacache: TeaCacheConfig | None = None
+    fbcache: FBCacheConfig | None = None
+    deepcache: DeepCacheConfig | None = None
+    evaluation_order: tuple[str, ...] = ("fb", "tc", "dc")  # first skip-eligible mode wins
+    warmup: int = 1  # executed steps that always compute, at the start of the run and of each expert
+    last_steps: int = 1  # executed steps that always compute at the end of the run
+    cfg_mode: str = "cond_authoritative"
+    cfg_sep_diff: bool = False
+    cfg_compute_first: bool = False  # uncond runs first in each step and leads the pair
+    pair_reduce: str = "max"
+    fn_blocks: int | None = None  # probe blocks; None = what the metrics need (0, or 1 for residual metrics)
+    bn_blocks: int = 0  # tail blocks that run even on skipped steps
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    offload: str = "auto"
+    offload_watermark: float = 0.9  # fraction of device memory in use that sends caches to the host
+
+    def __post_init__(self):
+        for mode, (_, name, cls) in TECHNIQUES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, cls):
+                raise ConfigError(f"CMConfig.{name} must be a {cls.__name__} or None, "
+                                  f"got {type(value).__name__}")
+        if not isinstance(self.limits, LimitsConfig):
+            raise ConfigError(f"CMConfig.limits must be a LimitsConfig, got {type(self.limits).__name__}")
+        order = tuple(self.evaluation_order)
+        object.__setattr__(self, "evaluation_order", order)
+        unknown = [m for m in order if m not in TECHNIQUES]
+        if unknown or len(set(order)) != len(order):
+            raise ConfigError(f"CMConfig.evaluation_order must list distinct modes among "
+                              f"{', '.join(TECHNIQUES)}, got {order!r}")
+        missing = [m for m, (_, name, _) in TECHNIQUES.items()
+                   if getattr(self, name) is not None and m not in order]
+        if missing:
+            raise ConfigError(f"CMConfig.evaluation_order {order!r} leaves out enabled mode(s) "
+                              f"{missing}; add them")
+        check_int("CMConfig", "warmup", self.warmup)
+        check_int("CMConfig", "last_steps", self.last_steps)
+        check_choice("CMConfig", "cfg_mode", self.cfg_mode, CFG_MODES)
+        check_choice("CMConfig", "pair_reduce", self.pair_reduce, PAIR_REDUCE)
+        check_choice("CMConfig", "offload", self.offload, OFFLOAD)
+        check_float("CMConfig", "offload_watermark", self.offload_watermark, below=1.0 + 1e-12)
+        check_int("CMConfig", "fn_blocks", self.fn_blocks, allow_none=True)
+        check_int("CMConfig", "bn_blocks", self.bn_blocks)
+        if self.fn_blocks == 0 and self.fbcache is not None and self.fbcache.needs_block0:
+            raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
+                              f"set fn_blocks >= 1 or leave it unset")
+        for name in ("cfg_sep_diff", "cfg_compute_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Enabled modes in evaluation order."""
+        return tuple(m for m in self.evaluation_order if getattr(self, TECHNIQUES[m][1]) is not None)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.modes)
+
+    def technique(self, mode: str):
+        """(module, config) of an enabled mode."""
+        module, name, _ = TECHNIQUES[mode]
+        return module, getattr(self, name)
+
+    @property
+    def probe_blocks(self) -> int:
+        """Blocks the probe runs before the decision (Fn); the stack resumes after them."""
+        if self.fn_blocks is not None:
+            return self.fn_blocks
+        return 1 if self.fbcache is not None and self.fbcache.needs_block0 else 0
+
+    @property
+    def needs_signals(self) -> tuple[str, ...]:
+        """Signals fields the backend must fill on every call; empty for schedule-only configs."""
+        return tuple(TECHNIQUES[m][0].SIGNAL_FIELD for m in self.modes
+                     if TECHNIQUES[m][0].SIGNAL_FIELD is not None)
+
+    @property
+    def leader(self) -> str:
+        if self.cfg_mode == "fused":
+            return PAIR
+        return "uncond" if self.cfg_compute_first else "cond"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

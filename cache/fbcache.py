@@ -1,0 +1,88 @@
+"""FBCache (seed 001, plus First-Block-Cache's tensor metric): gate on how much an early,
+cheap quantity changed between steps.
+
+Metrics (the backend computes the on-device part and reduces it to one scalar):
+  hidden_rel_l1           signature mean |mod_inp[::downsample]|, relative change, accumulated
+  hidden_rel_l2           signature sqrt(mean mod_inp[::downsample]^2), relative change, accumulated
+  residual_rel_l1         signature mean |(block0(x) - x)[::downsample]|, relative change, accumulated
+  residual_tensor_rel_l1  mean |r1 - r1_ref| / mean |r1_ref| with r1 = block0(x) - x and r1_ref
+                          the one stored at the last computed step (First-Block-Cache, cache-dit);
+                          already a distance from the last refresh, so it is not accumulated
+EMA (0 = off) smooths rel before the threshold: rel = ema * prev_rel + (1 - ema) * rel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .decision import Reason, Vote, is_finite, relative_change
+from .validate import check_choice, check_float, check_int
+
+MODE = "fb"
+SIGNAL_FIELD = "fbcache"
+EPS = 1e-8
+
+SIGNATURE_METRICS = ("hidden_rel_l1", "hidden_rel_l2", "residual_rel_l1")
+TENSOR_METRICS = ("residual_tensor_rel_l1",)
+METRICS = SIGNATURE_METRICS + TENSOR_METRICS
+# Metrics that need block 0 run by the probe (so the stack resumes from block 1).
+RESIDUAL_METRICS = ("residual_rel_l1", "residual_tensor_rel_l1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FBCacheConfig:
+    threshold: float = 0.08
+    metric: str = "hidden_rel_l1"
+    downsample: int = 1
+    ema: float = 0.0
+
+    def __post_init__(self):
+        check_float("FBCacheConfig", "threshold", self.threshold)
+        check_choice("FBCacheConfig", "metric", self.metric, METRICS)
+        check_int("FBCacheConfig", "downsample", self.downsample, minimum=1)
+        check_float("FBCacheConfig", "ema", self.ema, below=1.0)
+
+    @property
+    def needs_block0(self) -> bool:
+        return self.metric in RESIDUAL_METRICS
+
+
+@dataclass(frozen=True)
+class FBCacheState:
+    prev_sig: float | None = None
+    accum: float = 0.0
+    ema_rel: float | None = None
+
+
+State = FBCacheState
+
+
+def measure(config: FBCacheConfig, state: FBCacheState, value: float | None):
+    """Signal -> (rel or None when there is no reference yet, new state, invalid)."""
+    if config.metric in TENSOR_METRICS:
+        if value is None:  # the backend had no reference residual to compare with
+            return None, state, False
+        return (value, state, False) if is_finite(value) and value >= 0 else (None, FBCacheState(), True)
+    if not is_finite(value):
+        return None, FBCacheState(), True
+    if state.prev_sig is None:
+        return None, replace(state, prev_sig=value), False
+    return relative_change(value, state.prev_sig, EPS), replace(state, prev_sig=value), False
+
+
+def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
+    """rel -> (Vote, new state); (None, reset state) when the value is not finite."""
+    if rel is None:
+        return Vote(False, Reason.NO_REFERENCE), state
+    if state.ema_rel is not None and config.ema > 0:
+        rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
+    if not is_finite(rel):
+        return None, FBCacheState()
+    accum = rel if config.metric in TENSOR_METRICS else state.accum + rel
+    skip = config.threshold > 0 and accum < config.threshold
+    reason = Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD
+    return Vote(skip, reason, rel, rel, accum), replace(state, accum=accum, ema_rel=rel)
+
+
+def refresh(state: FBCacheState) -> FBCacheState:
+    return replace(state, accum=0.0)

@@ -1,0 +1,107 @@
+"""TeaCache (seed 000): skip the block stack while the accumulated change of a cheap signature
+stays under a threshold.
+
+signature = mean |block-0 modulated input| (reduced over the sequence group by the backend);
+rel = |sig - prev| / (|prev| + eps); rescaled = policy(rel); accum += rescaled;
+skip while accum < threshold; every compute resets accum (the residual is fresh again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .decision import Reason, Vote, is_finite, relative_change
+from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS
+from .validate import ConfigError, check_choice, check_float
+
+MODE = "tc"
+SIGNAL_FIELD = "teacache"  # the Signals field this technique reads
+EPS = 1e-8
+
+
+def _identity(rel: float) -> float:
+    return rel
+
+
+@dataclass(frozen=True, kw_only=True)
+class TeaCacheConfig:
+    """Args:
+        threshold: accumulator threshold; larger skips more; <= 0 never skips.
+        policy: `linear` (identity) or `poly:<profile>` (see teacache_profiles.PROFILES).
+        signal: what the signature summarises; defaults to the profile's signal, else the
+            block-0 modulated input.
+    """
+
+    threshold: float = 0.08
+    policy: str = "linear"
+    signal: str | None = None
+
+    def __post_init__(self):
+        check_float("TeaCacheConfig", "threshold", self.threshold)
+        if self.policy != "linear":
+            name = self.policy.removeprefix("poly:")
+            if not self.policy.startswith("poly:") or name not in PROFILES:
+                raise ConfigError(
+                    f"TeaCacheConfig.policy must be 'linear' or 'poly:<profile>' with a profile "
+                    f"among {', '.join(sorted(PROFILES))}; got {self.policy!r}")
+        if self.signal is not None:
+            check_choice("TeaCacheConfig", "signal", self.signal, SIGNALS)
+            profile = self.profile
+            if profile is not None and profile.signal != self.signal:
+                raise ConfigError(
+                    f"TeaCache profile {self.policy!r} was fitted on the {profile.signal} signal, "
+                    f"but signal={self.signal!r} was asked for; drop the signal setting or pick a "
+                    f"profile fitted on {self.signal}")
+
+    @property
+    def profile(self):
+        return PROFILES.get(self.policy.removeprefix("poly:")) if self.policy != "linear" else None
+
+    @property
+    def signature_of(self) -> str:
+        """The tensor whose mean |.| the backend must report as Signals.teacache."""
+        if self.signal is not None:
+            return self.signal
+        profile = self.profile
+        return profile.signal if profile is not None else MODULATED_INPUT
+
+    @property
+    def rescale(self) -> Callable[[float], float]:
+        return self.profile or _identity
+
+
+@dataclass(frozen=True)
+class TeaCacheState:
+    prev_sig: float | None = None
+    accum: float = 0.0
+
+
+State = TeaCacheState
+
+
+def measure(config: TeaCacheConfig, state: TeaCacheState, signature: float | None):
+    """Signature -> (rel or None when there is no previous signature, new state, invalid)."""
+    if not is_finite(signature):
+        return None, TeaCacheState(), True
+    if state.prev_sig is None:
+        return None, replace(state, prev_sig=signature), False
+    return relative_change(signature, state.prev_sig, EPS), replace(state, prev_sig=signature), False
+
+
+def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
+    """rel -> (Vote, new state). A None rel means there is nothing to compare with yet."""
+    if rel is None:
+        return Vote(False, Reason.NO_REFERENCE), state
+    rescaled = config.rescale(rel)
+    if not is_finite(rescaled):
+        return None, TeaCacheState()
+    accum = state.accum + rescaled
+    skip = config.threshold > 0 and accum < config.threshold
+    reason = Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD
+    return Vote(skip, reason, rel, rescaled, accum), replace(state, accum=accum)
+
+
+def refresh(state: TeaCacheState) -> TeaCacheState:
+    """The block stack ran: the cached residual is current again."""
+    return replace(state, accum=0.0)

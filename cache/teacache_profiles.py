@@ -1,0 +1,85 @@
+"""TeaCache rescale polynomials, by model, as the peers ship them (../shared/reference/peers.md).
+
+Each profile maps the raw relative L1 change of a signature to an estimate of the relative change
+of the model output. A profile is only meaningful for the signal it was fitted on: the official
+Wan2.1 ones were fitted on the time embedding `e` or the time projection `e0`, the HunyuanVideo
+ones on the modulated input of double_blocks[0]. `TeaCacheConfig` refuses a mismatched pair.
+Coefficients are copied exactly, highest power first (numpy.poly1d order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What a TeaCache signature is the mean absolute value of.
+MODULATED_INPUT = "modulated_input"  # block 0's LayerNorm(x) * (1 + scale) + shift (seed 000)
+TIME_EMBEDDING = "time_embedding"  # Wan `e` (TeaCache use_ret_steps=False)
+TIME_PROJECTION = "time_projection"  # Wan `e0` (TeaCache use_ret_steps=True)
+SIGNALS = (MODULATED_INPUT, TIME_EMBEDDING, TIME_PROJECTION)
+
+
+@dataclass(frozen=True)
+class PolyProfile:
+    coefficients: tuple[float, ...]
+    signal: str
+    threshold: float  # the threshold its source recommends
+    warmup: int  # executed steps its source always computes first
+    source: str
+
+    def __call__(self, rel: float) -> float:
+        value = 0.0
+        for c in self.coefficients:  # Horner
+            value = value * rel + c
+        return value
+
+
+_TEA = "ali-vilab/TeaCache TeaCache4Wan2.1/teacache_generate.py"
+_LX = "ModelTC/LightX2V configs"
+
+PROFILES: dict[str, PolyProfile] = {
+    "wan2.1-t2v-1.3b-e0": PolyProfile(
+        (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
+        TIME_PROJECTION, 0.08, 5, _TEA),
+    "wan2.1-t2v-1.3b-e": PolyProfile(
+        (2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01),
+        TIME_EMBEDDING, 0.08, 1, _TEA),
+    "wan2.1-t2v-14b-e0": PolyProfile(
+        (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+        TIME_PROJECTION, 0.2, 5, _TEA),
+    "wan2.1-t2v-14b-e": PolyProfile(
+        (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404),
+        TIME_EMBEDDING, 0.2, 1, _TEA),
+    "wan2.1-i2v-14b-480p-e0": PolyProfile(
+        (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
+        TIME_PROJECTION, 0.26, 5, _TEA),
+    "wan2.1-i2v-14b-480p-e": PolyProfile(
+        (-3.02331670e02, 2.23948934e02, -5.25463970e01, 5.87348440e00, -2.01973289e-01),
+        TIME_EMBEDDING, 0.26, 1, _TEA),
+    "wan2.1-i2v-14b-720p-e0": PolyProfile(
+        (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
+        TIME_PROJECTION, 0.3, 5, _TEA),
+    "wan2.1-i2v-14b-720p-e": PolyProfile(
+        (-114.36346466, 65.26524496, -18.82220707, 4.91518089, -0.23412683),
+        TIME_EMBEDDING, 0.3, 1, _TEA),
+    "wan2.2-ti2v-5b-720p-e": PolyProfile(
+        (1.57472669e05, -1.15702395e05, 3.10761669e04, -3.83116651e03, 2.21608777e02,
+         -4.81179567e00),
+        TIME_EMBEDDING, 0.26, 1, _LX),
+    "hunyuanvideo": PolyProfile(
+        (7.33226126e02, -4.01131952e02, 6.75869174e01, -3.14987800e00, 9.61237896e-02),
+        MODULATED_INPUT, 0.15, 1, "ali-vilab/TeaCache TeaCache4HunyuanVideo"),
+    "hunyuanvideo1.5-480p-t2v": PolyProfile(
+        (-2.97190924e04, 2.22834983e04, -4.37418360e03, 3.39340251e02, -1.01365855e01,
+         1.29101768e-01),
+        MODULATED_INPUT, 0.15, 1, _LX),
+    "hunyuanvideo1.5-720p-t2v": PolyProfile(
+        (-3.08907507e04, 1.67786188e04, -3.19178643e03, 2.60740519e02, -8.19205881e00,
+         1.07913775e-01),
+        MODULATED_INPUT, 0.15, 1, _LX),
+    "hunyuanvideo1.5-480p-i2v": PolyProfile(
+        (8.08528429e03, -2.44607178e03, 2.49489589e02, -9.10697865e00, 1.20261379e-01),
+        MODULATED_INPUT, 0.15, 1, _LX),
+    "hunyuanvideo1.5-720p-i2v": PolyProfile(
+        (3.84300014e03, -1.39247433e03, 1.69167679e02, -7.07679232e00, 1.02419011e-01),
+        MODULATED_INPUT, 0.15, 1, _LX),
+}
