@@ -50,7 +50,7 @@ class CMConfig:
     cfg_compute_first: bool = False  # uncond runs first in each step and leads the pair
     pair_reduce: str = "max"
     fn_blocks: int | None = None  # probe blocks; None = what the metrics need (0, or 1 for residual metrics)
-    bn_blocks: int = 0  # tail blocks that run even on skipped steps
+    bn_blocks: int | None = None  # tail blocks run even on skipped steps; None = 1 with DeepCache (seed 003), else 0
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     offload: str = "auto"
     offload_watermark: float = 0.9  # fraction of device memory in use that sends caches to the host
@@ -81,7 +81,7 @@ class CMConfig:
         check_choice("CMConfig", "offload", self.offload, OFFLOAD)
         check_float("CMConfig", "offload_watermark", self.offload_watermark, below=1.0 + 1e-12)
         check_int("CMConfig", "fn_blocks", self.fn_blocks, allow_none=True)
-        check_int("CMConfig", "bn_blocks", self.bn_blocks)
+        check_int("CMConfig", "bn_blocks", self.bn_blocks, allow_none=True)
         if self.fn_blocks == 0 and self.fbcache is not None and self.fbcache.needs_block0:
             raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
                               f"set fn_blocks >= 1 or leave it unset")
@@ -109,6 +109,13 @@ class CMConfig:
         if self.fn_blocks is not None:
             return self.fn_blocks
         return 1 if self.fbcache is not None and self.fbcache.needs_block0 else 0
+
+    @property
+    def tail_blocks(self) -> int:
+        """Blocks (Bn) that run after the cached middle on every call, before the head."""
+        if self.bn_blocks is not None:
+            return self.bn_blocks
+        return 1 if self.deepcache is not None else 0
 
     @property
     def needs_signals(self) -> tuple[str, ...]:

@@ -386,7 +386,8 @@ class CacheManager:
         out = self.telemetry.summary()
         out.update(config=self.config.to_dict(), num_steps=self.num_steps,
                    sp_world_size=self.sp_world_size, run_id=self.run_id,
-                   probe_blocks=self.config.probe_blocks, offload_now=self._offload,
+                   probe_blocks=self.config.probe_blocks,
+                   tail_blocks=self.config.tail_blocks, offload_now=self._offload,
                    needs_signals=list(self.config.needs_signals))
         return out
 

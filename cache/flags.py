@@ -1,0 +1,178 @@
+"""Command-line flags of the gate, mapped onto CMConfig.
+
+Flag names follow the seeds (000: --teacache*, 001: --fbcache/--fb_*, 002: CFG and limits,
+003: --enable_cache/--cache_*_step). Every flag defaults to None, so an unset flag leaves the
+dataclass default in force: the defaults live in the config classes and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .config import CFG_MODES, OFFLOAD, PAIR_REDUCE, TECHNIQUES, CMConfig
+from .deepcache import DeepCacheConfig
+from .fbcache import METRICS, FBCacheConfig
+from .limits import LimitsConfig
+from .teacache import TeaCacheConfig
+from .teacache_profiles import PROFILES, SIGNALS
+from .validate import ConfigError
+
+CACHE_TYPES = ("deepcache", "teacache", "fbcache")
+
+
+def _default(cls, name):
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _order(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _limits(text: str) -> dict:
+    """Seed 002's --teacache_limits 'max_cached=N,max_continuous=M'."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        if key not in ("max_cached", "max_continuous") or not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected max_cached=<int>,max_continuous=<int>, got {text!r}")
+        out[key] = int(value)
+    return out
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    def d(cls, name):
+        return f"(default {_default(cls, name)})"
+
+    g = parser.add_argument_group("caching: technique selection")
+    g.add_argument("--enable_cache", action="store_true",
+                   help="enable caching with --cache_type (seed 003's flag)")
+    g.add_argument("--cache_type", choices=CACHE_TYPES, default=None,
+                   help="technique for --enable_cache (default deepcache)")
+    g.add_argument("--teacache", action="store_true", help="enable TeaCache")
+    g.add_argument("--fbcache", action="store_true", help="enable FBCache")
+    g.add_argument("--deepcache", action="store_true", help="enable the DeepCache schedule")
+
+    g = parser.add_argument_group("caching: DeepCache schedule")
+    g.add_argument("--cache_start_step", type=int, help=d(DeepCacheConfig, "start"))
+    g.add_argument("--cache_end_step", type=int, help=d(DeepCacheConfig, "end"))
+    g.add_argument("--cache_step_interval", type=int, help=d(DeepCacheConfig, "interval"))
+
+    g = parser.add_argument_group("caching: TeaCache")
+    g.add_argument("--teacache_thresh", type=float, help=d(TeaCacheConfig, "threshold"))
+    g.add_argument("--teacache_policy", help="linear or poly:<profile>; profiles: "
+                   + ", ".join(sorted(PROFILES)))
+    g.add_argument("--teacache_signal", choices=SIGNALS,
+                   help="what the signature summarises (default: the profile's, else modulated_input)")
+
+    g = parser.add_argument_group("caching: FBCache")
+    g.add_argument("--fb_thresh", type=float, help=d(FBCacheConfig, "threshold"))
+    g.add_argument("--fb_metric", choices=METRICS, help=d(FBCacheConfig, "metric"))
+    g.add_argument("--fb_downsample", type=int, help=d(FBCacheConfig, "downsample"))
+    g.add_argument("--fb_ema", type=float, help=d(FBCacheConfig, "ema"))
+
+    g = parser.add_argument_group("caching: lifecycle, CFG pairs, limits, structure, offload")
+    g.add_argument("--cache_warmup", "--teacache_warmup", "--fb_warmup", dest="cache_warmup",
+                   type=int, action="append", help=d(CMConfig, "warmup"))
+    g.add_argument("--cache_last_steps", "--teacache_last_steps", "--fb_last_steps",
+                   dest="cache_last_steps", type=int, action="append", help=d(CMConfig, "last_steps"))
+    g.add_argument("--cfg_mode", "--teacache_cfg_mode", dest="cfg_mode", choices=CFG_MODES,
+                   help=d(CMConfig, "cfg_mode"))
+    g.add_argument("--cfg_sep_diff", "--teacache_cfg_sep_diff", "--fb_cfg_sep_diff",
+                   dest="cfg_sep_diff", type=_bool, action="append", help=d(CMConfig, "cfg_sep_diff"))
+    g.add_argument("--cfg_compute_first", "--teacache_cfg_first", dest="cfg_compute_first",
+                   type=_bool, help=d(CMConfig, "cfg_compute_first"))
+    g.add_argument("--pair_reduce", choices=PAIR_REDUCE, help=d(CMConfig, "pair_reduce"))
+    g.add_argument("--evaluation_order", type=_order, help="comma-separated modes among "
+                   + ",".join(TECHNIQUES) + f" {d(CMConfig, 'evaluation_order')}")
+    g.add_argument("--max_cached", type=int, help="skips allowed per branch; negative = no cap (default)")
+    g.add_argument("--max_continuous", type=int, help="skips allowed in a row; negative = no cap (default)")
+    g.add_argument("--teacache_limits", type=_limits, help="max_cached=N,max_continuous=M")
+    g.add_argument("--alternating", "--teacache_alternating", dest="alternating",
+                   action="store_true", default=None, help="only every other eligible step may skip")
+    g.add_argument("--fn_blocks", type=int, help="probe blocks (default: what the metric needs)")
+    g.add_argument("--bn_blocks", "--teacache_bn", dest="bn_blocks", type=int,
+                   help="tail blocks run on every step (default 1 with DeepCache, else 0)")
+    g.add_argument("--cache_offload", "--teacache_offload", dest="cache_offload", choices=OFFLOAD,
+                   help=d(CMConfig, "offload"))
+    g.add_argument("--offload_watermark", type=float, help=d(CMConfig, "offload_watermark"))
+
+
+def _single(args, name: str, flag: str):
+    """Aliases append to one list; they must agree."""
+    values = getattr(args, name)
+    if not values:
+        return None
+    if len(set(values)) > 1:
+        raise ConfigError(f"{flag} and its aliases were given different values {values}; give one")
+    return values[0]
+
+
+def _given(**kwargs) -> dict:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def config_from_args(args: argparse.Namespace) -> CMConfig:
+    """Build the CMConfig the flags describe; ConfigError names the offending flag."""
+    cache_type = args.cache_type or ("deepcache" if args.enable_cache else None)
+    if args.cache_type is not None and not args.enable_cache:
+        raise ConfigError("--cache_type needs --enable_cache")
+    on = {
+        "deepcache": args.deepcache or cache_type == "deepcache",
+        "teacache": args.teacache or cache_type == "teacache",
+        "fbcache": args.fbcache or cache_type == "fbcache",
+    }
+    specific = {  # technique -> {config field: (flag, value)}
+        "deepcache": {"start": ("--cache_start_step", args.cache_start_step),
+                      "end": ("--cache_end_step", args.cache_end_step),
+                      "interval": ("--cache_step_interval", args.cache_step_interval)},
+        "teacache": {"threshold": ("--teacache_thresh", args.teacache_thresh),
+                     "policy": ("--teacache_policy", args.teacache_policy),
+                     "signal": ("--teacache_signal", args.teacache_signal)},
+        "fbcache": {"threshold": ("--fb_thresh", args.fb_thresh),
+                    "metric": ("--fb_metric", args.fb_metric),
+                    "downsample": ("--fb_downsample", args.fb_downsample),
+                    "ema": ("--fb_ema", args.fb_ema)},
+    }
+    classes = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig}
+    techniques = {}
+    for name, fields in specific.items():
+        given = {k: v for k, (_, v) in fields.items() if v is not None}
+        if given and not on[name]:
+            flags = ", ".join(fields[k][0] for k in given)
+            raise ConfigError(f"{flags} given but {name} is not enabled; add --{name} "
+                              f"(or --enable_cache --cache_type {name})")
+        techniques[name] = classes[name](**given) if on[name] else None
+
+    limit_values = dict(args.teacache_limits or {})
+    limit_values.update(_given(max_cached=args.max_cached, max_continuous=args.max_continuous))
+    # cache-dit's convention, which users bring along: a negative cap means no cap.
+    limit_values = {k: (None if v < 0 else v) for k, v in limit_values.items()}
+    limit_values.update(_given(alternating=args.alternating))
+    return CMConfig(
+        **techniques,
+        limits=LimitsConfig(**limit_values),
+        **_given(
+            warmup=_single(args, "cache_warmup", "--cache_warmup"),
+            last_steps=_single(args, "cache_last_steps", "--cache_last_steps"),
+            cfg_mode=args.cfg_mode,
+            cfg_sep_diff=_single(args, "cfg_sep_diff", "--cfg_sep_diff"),
+            cfg_compute_first=args.cfg_compute_first,
+            pair_reduce=args.pair_reduce,
+            evaluation_order=args.evaluation_order,
+            fn_blocks=args.fn_blocks,
+            bn_blocks=args.bn_blocks,
+            offload=args.cache_offload,
+            offload_watermark=args.offload_watermark,
+        ),
+    )

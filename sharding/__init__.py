@@ -1,0 +1,3 @@
+"""Meshes, partition rules, sequence-parallel attention and scalar reductions (JAX and
+torch.distributed). Arrives with the parallelism issue.
+"""

@@ -1,0 +1,108 @@
+"""Exact per-step decisions for given signal sequences (golden traces, worked out by hand)."""
+
+import numpy as np
+import pytest
+
+from cache import (CacheManager, CMConfig, DeepCacheConfig, FBCacheConfig, Signals,
+                   TeaCacheConfig, TEACACHE_PROFILES)
+from tests.gate_driver import run
+
+SIGS = [1.0, 1.02, 1.05, 1.2, 1.21, 1.22, 1.5, 1.51, 1.52, 1.6]
+# rel: -, .0200, .0294, .1429, .0083, .0083, .2295, .0067, .0066, .0526
+# accum (thr .1): warmup | .020 S | .049 S | .192 C | .008 S | .017 S | .230 C | .007 S | .013 S | last
+
+
+def gate(config, steps):
+    g = CacheManager(config)
+    g.attach(steps)
+    return g
+
+
+def test_teacache_linear_golden():
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1)), 10)
+    assert run(g, SIGS) == {"cond": "CSSCSSCSSC"}
+    rows = [r for r in g.telemetry.trace]
+    assert [r["reason"] for r in rows] == [
+        "warmup", "below_threshold", "below_threshold", "above_threshold", "below_threshold",
+        "below_threshold", "above_threshold", "below_threshold", "below_threshold", "last_steps"]
+    assert rows[2]["accum"] == pytest.approx(0.02 / 1.0 + 0.03 / 1.02, rel=1e-6)
+    assert rows[3]["rel"] == pytest.approx(0.15 / 1.05, rel=1e-6)
+
+
+def test_teacache_threshold_scales_the_skips():
+    assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.03)), 10), SIGS)["cond"] == "CSCCSSCSSC"
+    assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.5)), 10), SIGS)["cond"] == "CSSSSSSSSC"  # accum peaks at .452
+
+
+def test_teacache_poly_profile_golden():
+    profile = TEACACHE_PROFILES["hunyuanvideo"]
+    assert profile(0.01) == pytest.approx(np.polyval(profile.coefficients, 0.01), rel=1e-12)
+    per_step = profile(0.01)  # about 0.0710: two steps stay under 0.15, the third crosses it
+    assert 0.15 / 3 < per_step < 0.15 / 2
+    sigs = [1.01 ** k for k in range(10)]
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.15, policy="poly:hunyuanvideo")), 10)
+    assert run(g, sigs) == {"cond": "CSSCSSCSSC"}
+    assert g.telemetry.trace[1]["rescaled"] == pytest.approx(per_step, rel=1e-6)
+
+
+def test_fbcache_signature_metrics_accumulate():
+    for metric in ("hidden_rel_l1", "hidden_rel_l2", "residual_rel_l1"):
+        g = gate(CMConfig(fbcache=FBCacheConfig(threshold=0.1, metric=metric)), 10)
+        assert run(g, SIGS) == {"cond": "CSSCSSCSSC"}, metric
+
+
+def test_fbcache_residual_metrics_resume_after_block0():
+    g = gate(CMConfig(fbcache=FBCacheConfig(metric="residual_rel_l1")), 3)
+    g.begin_step("cond")
+    assert g.decide(Signals(fbcache=1.0)).resume_from_block == 1
+    g = gate(CMConfig(fbcache=FBCacheConfig(metric="hidden_rel_l1")), 3)
+    g.begin_step("cond")
+    assert g.decide(Signals(fbcache=1.0)).resume_from_block == 0
+
+
+def test_fbcache_tensor_metric_compares_with_last_refresh_without_accumulating():
+    # values are the backend's rel against the residual of the last computed step
+    rels = [None, 0.01, 0.04, 0.06, 0.02, 0.049, 0.05, 0.0]
+    g = gate(CMConfig(fbcache=FBCacheConfig(threshold=0.05, metric="residual_tensor_rel_l1")), 8)
+    # .01+.04 would cross .05 if accumulated; the tensor metric does not accumulate
+    assert run(g, [Signals(fbcache=r) for r in rels]) == {"cond": "CSSCSSCC"}
+
+
+def test_fbcache_ema_smooths_rel():
+    # raw rel: -, .04, .12, 0, -; ema .5 -> .04, .08, .04: accum .04 S, .12 C, .04 S
+    sigs = [1.0, 1.04, 1.04 * 1.12, 1.04 * 1.12, 2.0]
+    g = gate(CMConfig(fbcache=FBCacheConfig(threshold=0.1, ema=0.5)), 5)
+    assert run(g, sigs) == {"cond": "CSCSC"}
+    assert [round(r["rel"], 6) for r in g.telemetry.trace[1:4]] == [0.04, 0.08, 0.04]
+
+
+def test_deepcache_11_45_4_over_50_computes_exactly_25_steps():
+    g = gate(CMConfig(deepcache=DeepCacheConfig(start=11, end=45, interval=4)), 50)
+    trace = run(g, [None] * 50, [None] * 50)
+    computed = [i for i, a in enumerate(trace["cond"]) if a == "C"]
+    assert computed == list(range(11)) + list(range(11, 45, 4)) + list(range(45, 50))
+    assert len(computed) == 25
+    assert trace["uncond"] == trace["cond"]
+    assert g.plan() == [a == "C" for a in trace["cond"]]
+    assert g.config.needs_signals == () and g.config.tail_blocks == 1
+
+
+def test_priority_first_skip_eligible_mode_wins():
+    # FBCache threshold 0 never votes skip; TeaCache does, so TeaCache decides
+    cfg = CMConfig(fbcache=FBCacheConfig(threshold=0.0), teacache=TeaCacheConfig(threshold=0.1))
+    g = gate(cfg, 10)
+    assert run(g, SIGS) == {"cond": "CSSCSSCSSC"}
+    modes = {r["mode"] for r in g.telemetry.trace if r["action"] == "skip"}
+    assert modes == {"tc"}
+    # when both vote skip, the first in evaluation_order is recorded
+    cfg = CMConfig(fbcache=FBCacheConfig(threshold=0.1), teacache=TeaCacheConfig(threshold=0.1),
+                   evaluation_order=("tc", "fb"))
+    g = gate(cfg, 10)
+    run(g, SIGS)
+    assert {r["mode"] for r in g.telemetry.trace if r["action"] == "skip"} == {"tc"}
+
+
+def test_no_technique_always_computes():
+    g = gate(CMConfig(), 5)
+    assert run(g, [1.0] * 5, [1.0] * 5) == {"cond": "CCCCC", "uncond": "CCCCC"}
+    assert {r["reason"] for r in g.telemetry.trace} == {"no_mode"}
