@@ -79,7 +79,10 @@ class CMConfig:
         check_choice("CMConfig", "cfg_mode", self.cfg_mode, CFG_MODES)
         check_choice("CMConfig", "pair_reduce", self.pair_reduce, PAIR_REDUCE)
         check_choice("CMConfig", "offload", self.offload, OFFLOAD)
-        check_float("CMConfig", "offload_watermark", self.offload_watermark, below=1.0 + 1e-12)
+        check_float("CMConfig", "offload_watermark", self.offload_watermark)
+        if self.offload_watermark > 1.0:
+            raise ConfigError(f"CMConfig.offload_watermark is a fraction of device memory in "
+                              f"(0, 1], got {self.offload_watermark!r}")
         check_int("CMConfig", "fn_blocks", self.fn_blocks, allow_none=True)
         check_int("CMConfig", "bn_blocks", self.bn_blocks, allow_none=True)
         if self.fn_blocks == 0 and self.fbcache is not None and self.fbcache.needs_block0:

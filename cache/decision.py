@@ -119,6 +119,13 @@ def is_finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
+def threshold_vote(threshold: float, accum: float, rel: float, rescaled: float) -> Vote:
+    """Skip while the accumulated change stays under the threshold; a threshold <= 0 never skips
+    (rescale polynomials can go negative, so `accum < 0` alone would skip)."""
+    skip = threshold > 0 and accum < threshold
+    return Vote(skip, Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD, rel, rescaled, accum)
+
+
 def relative_change(current: float, previous: float, eps: float) -> float:
     """|current - previous| / (|previous| + eps): the relative L1 change of a scalar signature."""
     return abs(current - previous) / (abs(previous) + eps)

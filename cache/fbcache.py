@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .decision import Reason, Vote, is_finite, relative_change
+from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
 from .validate import check_choice, check_float, check_int
 
 MODE = "fb"
@@ -79,9 +79,7 @@ def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
     if not is_finite(rel):
         return None, FBCacheState()
     accum = rel if config.metric in TENSOR_METRICS else state.accum + rel
-    skip = config.threshold > 0 and accum < config.threshold
-    reason = Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD
-    return Vote(skip, reason, rel, rel, accum), replace(state, accum=accum, ema_rel=rel)
+    return threshold_vote(config.threshold, accum, rel, rel), replace(state, accum=accum, ema_rel=rel)
 
 
 def refresh(state: FBCacheState) -> FBCacheState:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .decision import Reason, Vote, is_finite, relative_change
+from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
 from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS
 from .validate import ConfigError, check_choice, check_float
 
@@ -97,9 +97,7 @@ def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
     if not is_finite(rescaled):
         return None, TeaCacheState()
     accum = state.accum + rescaled
-    skip = config.threshold > 0 and accum < config.threshold
-    reason = Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD
-    return Vote(skip, reason, rel, rescaled, accum), replace(state, accum=accum)
+    return threshold_vote(config.threshold, accum, rel, rescaled), replace(state, accum=accum)
 
 
 def refresh(state: TeaCacheState) -> TeaCacheState:
