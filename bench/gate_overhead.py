@@ -19,8 +19,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cache import (PAIR, CacheManager, CMConfig, DeepCacheConfig, FBCacheConfig,  # noqa: E402
-                   LimitsConfig, Signals, TeaCacheConfig)
+from cache import (  # noqa: E402
+    PAIR,
+    CacheManager,
+    CMConfig,
+    DeepCacheConfig,
+    FBCacheConfig,
+    LimitsConfig,
+    Signals,
+    TeaCacheConfig,
+)
 
 CONFIGS = {
     "off": CMConfig(),

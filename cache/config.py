@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from . import deepcache, fbcache, teacache
 from .decision import PAIR
@@ -49,20 +50,23 @@ class CMConfig:
     cfg_sep_diff: bool = False
     cfg_compute_first: bool = False  # uncond runs first in each step and leads the pair
     pair_reduce: str = "max"
-    fn_blocks: int | None = None  # probe blocks; None = what the metrics need (0, or 1 for residual metrics)
-    bn_blocks: int | None = None  # tail blocks run even on skipped steps; None = 1 with DeepCache (seed 003), else 0
+    # Probe blocks (Fn) run before the decision; None = what the metric needs (1 for residual
+    # metrics, else 0). Tail blocks (Bn) run on every call; None = 1 with DeepCache (seed 003), else 0.
+    fn_blocks: int | None = None
+    bn_blocks: int | None = None
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     offload: str = "auto"
     offload_watermark: float = 0.9  # fraction of device memory in use that sends caches to the host
 
     def __post_init__(self):
-        for mode, (_, name, cls) in TECHNIQUES.items():
+        for _, name, cls in TECHNIQUES.values():
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):
                 raise ConfigError(f"CMConfig.{name} must be a {cls.__name__} or None, "
                                   f"got {type(value).__name__}")
         if not isinstance(self.limits, LimitsConfig):
-            raise ConfigError(f"CMConfig.limits must be a LimitsConfig, got {type(self.limits).__name__}")
+            raise ConfigError(f"CMConfig.limits must be a LimitsConfig, "
+                              f"got {type(self.limits).__name__}")
         order = tuple(self.evaluation_order)
         object.__setattr__(self, "evaluation_order", order)
         unknown = [m for m in order if m not in TECHNIQUES]
@@ -92,12 +96,12 @@ class CMConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")
 
-    @property
+    @cached_property
     def modes(self) -> tuple[str, ...]:
         """Enabled modes in evaluation order."""
         return tuple(m for m in self.evaluation_order if getattr(self, TECHNIQUES[m][1]) is not None)
 
-    @property
+    @cached_property
     def enabled(self) -> bool:
         return bool(self.modes)
 
@@ -106,27 +110,27 @@ class CMConfig:
         module, name, _ = TECHNIQUES[mode]
         return module, getattr(self, name)
 
-    @property
+    @cached_property
     def probe_blocks(self) -> int:
         """Blocks the probe runs before the decision (Fn); the stack resumes after them."""
         if self.fn_blocks is not None:
             return self.fn_blocks
         return 1 if self.fbcache is not None and self.fbcache.needs_block0 else 0
 
-    @property
+    @cached_property
     def tail_blocks(self) -> int:
         """Blocks (Bn) that run after the cached middle on every call, before the head."""
         if self.bn_blocks is not None:
             return self.bn_blocks
         return 1 if self.deepcache is not None else 0
 
-    @property
+    @cached_property
     def needs_signals(self) -> tuple[str, ...]:
         """Signals fields the backend must fill on every call; empty for schedule-only configs."""
         return tuple(TECHNIQUES[m][0].SIGNAL_FIELD for m in self.modes
                      if TECHNIQUES[m][0].SIGNAL_FIELD is not None)
 
-    @property
+    @cached_property
     def leader(self) -> str:
         if self.cfg_mode == "fused":
             return PAIR

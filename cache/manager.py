@@ -93,7 +93,8 @@ class CacheManager:
         """
         self._call = None
         cfg = self.config
-        if self.num_steps is None or not isinstance(branch, str) or (branch == PAIR) != (cfg.cfg_mode == "fused"):
+        fused = cfg.cfg_mode == "fused"
+        if self.num_steps is None or not isinstance(branch, str) or (branch == PAIR) != fused:
             return
         if branch == cfg.leader:
             step = self._step + 1
@@ -154,7 +155,7 @@ class CacheManager:
             else:
                 found = []
                 names = FUSED_BRANCHES if cfg.cfg_mode == "fused" else (call.branch,)
-                for name, sig in zip(names, per_branch):
+                for name, sig in zip(names, per_branch, strict=True):
                     holder = self._state(name)
                     value = getattr(sig, module.SIGNAL_FIELD) if module.SIGNAL_FIELD else None
                     rel_b, holder.tech[mode], bad = module.measure(tcfg, holder.tech[mode], value)
@@ -221,8 +222,7 @@ class CacheManager:
         if is_follower and lead is not None:
             self.telemetry.record_pair(lead.action, decision)
             if lead.skip and failsafe is not None:
-                self.telemetry.count_failsafe(FailSafe.PAIR_DIVERGENCE, decision)
-                self.telemetry.pair["pair_divergence_failsafes"] += 1
+                self.telemetry.count_pair_divergence(decision, recorded_as_skip=False)
         if not is_follower:
             self._leader_decision = decision
         return decision
@@ -261,7 +261,8 @@ class CacheManager:
         try:
             state = self._current(decision)
             if state is None:
-                return Applied(x, decision.resume_from_block, self._convert(decision, None, FailSafe.LIFECYCLE_GUARD))
+                after = self._convert(decision, None, FailSafe.LIFECYCLE_GUARD)
+                return Applied(x, decision.resume_from_block, after)
             residual, failure = state.slot.fetch(self.ops, x)
             if failure is not None:
                 return Applied(x, decision.resume_from_block, self._convert(decision, state, failure))
@@ -282,11 +283,7 @@ class CacheManager:
             if lead is not None and lead.step == decision.step:
                 self._leader_decision = after
         elif lead is not None and lead.skip and lead.step == decision.step:
-            pair = self.telemetry.pair
-            pair["pair_skipped"] -= 1
-            pair["pair_forced_compute"] += 1
-            pair["pair_divergence_failsafes"] += 1
-            self.telemetry.count_failsafe(FailSafe.PAIR_DIVERGENCE, after)
+            self.telemetry.count_pair_divergence(after, recorded_as_skip=True)
         return after
 
     def update(self, decision: Decision, x_before, x_after, probe=None) -> None:

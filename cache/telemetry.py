@@ -112,6 +112,14 @@ class Telemetry:
         elif leader_action == SKIP:
             self.pair["pair_forced_compute"] += 1
 
+    def count_pair_divergence(self, follower: Decision, *, recorded_as_skip: bool) -> None:
+        """A follower could not follow its leader's skip (it computes instead)."""
+        if recorded_as_skip:
+            self.pair["pair_skipped"] -= 1
+            self.pair["pair_forced_compute"] += 1
+        self.pair["pair_divergence_failsafes"] += 1
+        self.count_failsafe(FailSafe.PAIR_DIVERGENCE, follower)
+
     def summary(self) -> dict:
         out = {
             "branches": {name: stats.as_dict() for name, stats in self.branches.items()},

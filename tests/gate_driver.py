@@ -30,7 +30,9 @@ def run(gate: CacheManager, cond, uncond=None, *, experts=None):
     """Drive num_steps steps. cond/uncond: per-step teacache signatures (float) or Signals.
     uncond=None runs without CFG. Returns the per-step actions ('C'/'S') per branch."""
     def as_signals(value):
-        return value if isinstance(value, Signals) or value is None else Signals(teacache=value, fbcache=value)
+        if isinstance(value, Signals) or value is None:
+            return value
+        return Signals(teacache=value, fbcache=value)
 
     trace = {"cond": [], "uncond": []}
     for step in range(gate.num_steps):

@@ -4,8 +4,7 @@ import dataclasses
 
 import pytest
 
-from cache import (CMConfig, ConfigError, DeepCacheConfig, FBCacheConfig, LimitsConfig,
-                   TeaCacheConfig)
+from cache import CMConfig, ConfigError, DeepCacheConfig, FBCacheConfig, LimitsConfig, TeaCacheConfig
 
 
 @pytest.mark.parametrize("build, words", [

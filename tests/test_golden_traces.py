@@ -3,8 +3,15 @@
 import numpy as np
 import pytest
 
-from cache import (CacheManager, CMConfig, DeepCacheConfig, FBCacheConfig, Signals,
-                   TeaCacheConfig, TEACACHE_PROFILES)
+from cache import (
+    TEACACHE_PROFILES,
+    CacheManager,
+    CMConfig,
+    DeepCacheConfig,
+    FBCacheConfig,
+    Signals,
+    TeaCacheConfig,
+)
 from tests.gate_driver import run
 
 SIGS = [1.0, 1.02, 1.05, 1.2, 1.21, 1.22, 1.5, 1.51, 1.52, 1.6]
@@ -31,7 +38,8 @@ def test_teacache_linear_golden():
 
 def test_teacache_threshold_scales_the_skips():
     assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.03)), 10), SIGS)["cond"] == "CSCCSSCSSC"
-    assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.5)), 10), SIGS)["cond"] == "CSSSSSSSSC"  # accum peaks at .452
+    # accum peaks at .452, so 0.5 skips every step between the guards
+    assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.5)), 10), SIGS)["cond"] == "CSSSSSSSSC"
 
 
 def test_teacache_poly_profile_golden():

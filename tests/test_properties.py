@@ -5,8 +5,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache import (TEACACHE_PROFILES, CacheManager, CMConfig, FBCacheConfig, Signals,
-                   TeaCacheConfig)
+from cache import TEACACHE_PROFILES, CacheManager, CMConfig, FBCacheConfig, Signals, TeaCacheConfig
 from tests.gate_driver import run
 
 signatures = st.lists(st.floats(min_value=0.01, max_value=100.0), min_size=2, max_size=40)
