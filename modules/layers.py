@@ -1,0 +1,63 @@
+"""Small layers both DiTs share: dtype-following Linear, the timestep sinusoid, RoPE tables.
+
+B batch, L tokens, D model dim, P rotary pairs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ModelConfigError(ValueError):
+    """A model configuration or an input shape that the model cannot take."""
+
+
+class Linear(nn.Linear):
+    """nn.Linear that casts its input to the weight dtype, so fp32 islands feed bf16 weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
+    """cat(cos, sin) of t * 10000^(-i/half), in fp32, shape t.shape + (dim,) (trap T25).
+
+    Wan's official code does this in float64; fp32 is what diffusers does and what an
+    accelerator without x64 can trace (|error| < 1e-4 rad at t = 1000).
+    """
+    half = dim // 2
+    exponent = torch.arange(half, dtype=torch.float32, device=t.device) * (-math.log(max_period) / half)
+    args = t.float()[..., None] * torch.exp(exponent)
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def rope_tables(grid: tuple[int, int, int], axes_dims: tuple[int, int, int], theta: float,
+                device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [L, P] for tokens in (f, h, w) raster order, per-axis frequencies.
+
+    Axis j with d_j channels holds d_j/2 pairs rotating by pos * theta^(-2i/d_j). Computed in
+    float64 on the host from the static grid (the official Wan code uses float64), then stored
+    as fp32: they are shape constants, never traced values.
+    """
+    angles = []
+    for axis, (n, d) in enumerate(zip(grid, axes_dims, strict=True)):
+        if d % 2:
+            raise ValueError(f"RoPE axis {axis} has {d} channels; expected an even number")
+        inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+        pos = np.arange(n, dtype=np.float64)
+        shape = [1, 1, 1, d // 2]
+        shape[axis] = n
+        angle = (pos[:, None] * inv_freq[None, :]).reshape(shape)
+        angles.append(np.broadcast_to(angle, (*grid, d // 2)))
+    angle_LP = np.concatenate(angles, axis=-1).reshape(math.prod(grid), -1)
+    cos = torch.as_tensor(np.cos(angle_LP).astype(np.float32), device=device)
+    sin = torch.as_tensor(np.sin(angle_LP).astype(np.float32), device=device)
+    return cos, sin
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
