@@ -47,6 +47,14 @@ def register(op: str, name: str, fn: Callable) -> None:
     _IMPLS[op][name] = fn
 
 
+def unregister(op: str, name: str) -> None:
+    """Remove an implementation; if it was in use, the op goes back to its default."""
+    _check_op(op)
+    fn = _IMPLS[op].pop(name, None)
+    if fn is not None and _ACTIVE.get(op) is fn:
+        select(**{op: DEFAULTS[op]})
+
+
 def implementations(op: str) -> tuple[str, ...]:
     _check_op(op)
     return tuple(_IMPLS[op])

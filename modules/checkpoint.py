@@ -1,0 +1,408 @@
+"""Load and save DiT checkpoints: official or diffusers layout, one file or shards with an index.
+
+Loading reads the safetensors headers first and checks every key and shape against a model
+built on the meta device, so a wrong family, a missing shard or a mis-shaped tensor fails in
+seconds with one error that lists everything, before any tensor data is read. Tensors are then
+read one by one, cast, and assigned into the meta model: no second full copy in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from modules.convert import DIFFUSERS, LAYOUTS, OFFICIAL, from_layout, to_layout
+from modules.registry import (
+    FAMILIES,
+    Family,
+    build_model,
+    config_dict,
+    config_from_dict,
+    family_of,
+    resolve_config,
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message says what and where."""
+
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+INDEX_NAME = WEIGHTS_NAME + ".index.json"
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.")  # single-file exports
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+# One key that only this family and layout has.
+_MARKERS = {
+    ("wan", OFFICIAL): "blocks.0.self_attn.q.weight",
+    ("wan", DIFFUSERS): "blocks.0.attn1.to_q.weight",
+    ("hunyuan_video15", OFFICIAL): "double_blocks.0.img_attn_q.weight",
+    ("hunyuan_video15", DIFFUSERS): "transformer_blocks.0.attn.add_q_proj.weight",
+}
+# Wan2.1 I2V's CLIP branch, which Wan2.2 does not have (model_spec trap T8).
+_WAN21_I2V = re.compile(r"(^img_emb\.|\.k_img\.|\.add_k_proj\.|^condition_embedder\.image_embedder\.)")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stored: str  # the name in the file, before a single-file export prefix is stripped
+
+
+# --- files and headers -------------------------------------------------------------------------
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and validate one safetensors header; truncated or corrupt files raise."""
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, no header)")
+        (length,) = struct.unpack("<Q", head)
+        if length > size - 8:
+            raise CheckpointError(f"{file}: not a safetensors file or truncated (header says "
+                                  f"{length} header bytes, the file has {size})")
+        try:
+            header = json.loads(fh.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CheckpointError(f"{file}: corrupt safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
+    data_bytes = size - 8 - length
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{file}: corrupt safetensors header entry for {name!r}: "
+                                  f"{entry!r}") from None
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise CheckpointError(f"{file}: tensor {name!r} {list(shape)} {entry['dtype']} "
+                                  f"should take {math.prod(shape) * dtype.itemsize} bytes, "
+                                  f"the header gives {end - begin}")
+        if end > data_bytes:
+            raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at data byte {end}, "
+                                  f"the file holds {data_bytes} data bytes")
+        tensors[name] = TensorInfo(file, dtype, shape, name)
+    return tensors
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint: a file, an index JSON, or a directory of either."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.is_dir():
+        indexes = sorted(path.glob("*.safetensors.index.json"))
+        if len(indexes) > 1:
+            raise CheckpointError(f"{path}: {len(indexes)} index files "
+                                  f"({[p.name for p in indexes]}); pass the one to load")
+        if indexes:
+            return checkpoint_files(indexes[0])
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no .safetensors file and no index JSON")
+        if len(files) > 1:
+            raise CheckpointError(f"{path}: {len(files)} .safetensors files but no "
+                                  f"*.safetensors.index.json saying how they fit together")
+        return files
+    if path.name.endswith(".json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object "
+                                  f"with a weight_map; {err})") from None
+        files = [path.parent / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{path}: {len(missing)} of {len(files)} shards are missing: "
+                                  f"{missing}")
+        return files
+    if path.suffix != ".safetensors":
+        raise CheckpointError(f"{path}: expected a .safetensors file, an index JSON or a "
+                              "directory (.pt/.pth pickles are not loaded: convert them first)")
+    return [path]
+
+
+def read_headers(files: list[Path]) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        for name, info in read_header(file).items():
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {file}")
+            tensors[name] = info
+    prefix = next((p for p in PREFIXES if tensors and all(k.startswith(p) for k in tensors)), "")
+    return {k[len(prefix):]: v for k, v in tensors.items()}
+
+
+def detect(keys) -> tuple[str, str]:
+    """(family, layout) of a state dict's keys."""
+    keys = set(keys)
+    found = [fl for fl, marker in _MARKERS.items() if marker in keys]
+    if len(found) != 1:
+        sample = sorted(keys)[:5]
+        raise CheckpointError("not a Wan2.2 or HunyuanVideo-1.5 DiT checkpoint in a known layout: "
+                              f"expected one of the keys {sorted(_MARKERS.values())}; "
+                              f"found {len(keys)} keys such as {sample}")
+    family, layout = found[0]
+    if family == "wan" and any(_WAN21_I2V.search(k) for k in keys):
+        raise CheckpointError("this is a Wan2.1 I2V checkpoint (CLIP image branch); Wan2.2 models "
+                              "have no image cross-attention (model_spec trap T8)")
+    return family, layout
+
+
+# --- config.json -------------------------------------------------------------------------------
+
+def config_to_json(config, layout: str) -> dict:
+    """config.json in a layout's own vocabulary, plus our exact config under `static_dit`."""
+    fam, c = family_of(config), config
+    if fam.name == "wan":
+        if layout == OFFICIAL:
+            own = dict(_class_name="WanModel", model_type=c.model_type,
+                       patch_size=list(c.patch_size), text_len=c.text_len, in_dim=c.in_dim,
+                       dim=c.dim, ffn_dim=c.ffn_dim, freq_dim=c.freq_dim, text_dim=c.text_dim,
+                       out_dim=c.out_dim, num_heads=c.num_heads, num_layers=c.num_layers,
+                       window_size=[-1, -1], qk_norm=True, cross_attn_norm=True, eps=c.eps)
+        else:
+            own = dict(_class_name="WanTransformer3DModel", patch_size=list(c.patch_size),
+                       num_attention_heads=c.num_heads, attention_head_dim=c.head_dim,
+                       in_channels=c.in_dim, out_channels=c.out_dim, text_dim=c.text_dim,
+                       freq_dim=c.freq_dim, ffn_dim=c.ffn_dim, num_layers=c.num_layers,
+                       cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=c.eps,
+                       image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024)
+    elif layout == OFFICIAL:
+        own = dict(_class_name="HunyuanVideo_1_5_DiffusionTransformer",
+                   patch_size=list(c.patch_size), in_channels=c.in_channels,
+                   concat_condition=True, out_channels=c.out_channels,
+                   hidden_size=c.hidden_size, heads_num=c.num_heads,
+                   mlp_width_ratio=c.mlp_ratio, mm_double_blocks_depth=c.num_layers,
+                   mm_single_blocks_depth=0, rope_dim_list=list(c.rope_axes),
+                   rope_theta=c.rope_theta, text_states_dim=c.text_dim,
+                   vision_states_dim=c.vision_dim, use_meanflow=c.use_meanflow)
+    else:
+        own = dict(_class_name="HunyuanVideo15Transformer3DModel",
+                   in_channels=2 * c.in_channels + 1, out_channels=c.out_channels,
+                   num_attention_heads=c.num_heads, attention_head_dim=c.head_dim,
+                   num_layers=c.num_layers, num_refiner_layers=c.refiner_layers,
+                   mlp_ratio=c.mlp_ratio, patch_size=c.patch_size[1],
+                   patch_size_t=c.patch_size[0], qk_norm="rms_norm", text_embed_dim=c.text_dim,
+                   text_embed_2_dim=c.byt5_dim, image_embed_dim=c.vision_dim,
+                   rope_theta=c.rope_theta, rope_axes_dim=list(c.rope_axes),
+                   use_meanflow=c.use_meanflow)
+    return {**own, "static_dit": {"family": fam.name, **config_dict(config)}}
+
+
+def config_from_json(values: dict):
+    """Our config from a config.json of either layout (released models) or one we saved."""
+    if "static_dit" in values:
+        ours = dict(values["static_dit"])
+        family = FAMILIES.get(ours.pop("family", None))
+        if family is None:
+            raise CheckpointError(f"config.json static_dit names no known family: {values}")
+        return config_from_dict(family, ours)
+    cls_name = values.get("_class_name", "")
+    g = values.get
+    try:
+        if cls_name == "WanModel" or "dim" in values and "num_heads" in values:
+            if g("model_type") not in ("ti2v", "i2v", "t2v"):
+                raise CheckpointError(f"config.json model_type {g('model_type')!r}: expected a "
+                                      "Wan2.2 ti2v, i2v or t2v model")
+            return FAMILIES["wan"].config_cls(
+                dim=g("dim"), ffn_dim=g("ffn_dim"), num_layers=g("num_layers"),
+                num_heads=g("num_heads"), in_dim=g("in_dim"), out_dim=g("out_dim"),
+                model_type=g("model_type"), patch_size=tuple(g("patch_size", (1, 2, 2))),
+                text_len=g("text_len", 512), text_dim=g("text_dim", 4096),
+                freq_dim=g("freq_dim", 256), eps=g("eps", 1e-6))
+        if cls_name == "WanTransformer3DModel":
+            if g("image_dim") or g("added_kv_proj_dim"):
+                raise CheckpointError("config.json describes a Wan2.1 I2V model (image_dim / "
+                                      "added_kv_proj_dim set); Wan2.2 has no CLIP branch (T8)")
+            in_dim, out_dim = g("in_channels"), g("out_channels")
+            heads = g("num_attention_heads")
+            return FAMILIES["wan"].config_cls(
+                dim=heads * g("attention_head_dim"), ffn_dim=g("ffn_dim"),
+                num_layers=g("num_layers"), num_heads=heads, in_dim=in_dim, out_dim=out_dim,
+                model_type="ti2v" if in_dim == out_dim else "i2v",
+                patch_size=tuple(g("patch_size", (1, 2, 2))), text_dim=g("text_dim", 4096),
+                freq_dim=g("freq_dim", 256), eps=g("eps", 1e-6))
+        if cls_name == "HunyuanVideo_1_5_DiffusionTransformer" or "mm_double_blocks_depth" in values:
+            return FAMILIES["hunyuan_video15"].config_cls(
+                hidden_size=g("hidden_size"), num_heads=g("heads_num"),
+                num_layers=g("mm_double_blocks_depth"), in_channels=g("in_channels"),
+                out_channels=g("out_channels"), patch_size=tuple(g("patch_size", (1, 1, 1))),
+                rope_axes=tuple(g("rope_dim_list", (16, 56, 56))), rope_theta=g("rope_theta", 256.0),
+                mlp_ratio=g("mlp_width_ratio", 4.0), text_dim=g("text_states_dim", 3584),
+                vision_dim=g("vision_states_dim", 1152), use_meanflow=bool(g("use_meanflow")))
+        if cls_name == "HunyuanVideo15Transformer3DModel":
+            return FAMILIES["hunyuan_video15"].config_cls(
+                hidden_size=g("num_attention_heads") * g("attention_head_dim"),
+                num_heads=g("num_attention_heads"), num_layers=g("num_layers"),
+                in_channels=(g("in_channels") - 1) // 2, out_channels=g("out_channels"),
+                patch_size=(g("patch_size_t", 1), g("patch_size", 1), g("patch_size", 1)),
+                rope_axes=tuple(g("rope_axes_dim")), rope_theta=g("rope_theta", 256.0),
+                mlp_ratio=g("mlp_ratio", 4.0), refiner_layers=g("num_refiner_layers", 2),
+                text_dim=g("text_embed_dim"), byt5_dim=g("text_embed_2_dim"),
+                vision_dim=g("image_embed_dim"), use_meanflow=bool(g("use_meanflow")))
+    except TypeError as err:  # a field is missing (None where a number is needed)
+        raise CheckpointError(f"config.json lacks a field of {cls_name or 'the model'}: {err}") from None
+    raise CheckpointError(f"config.json describes {cls_name or 'an unknown model'!r}; expected "
+                          "a Wan2.2 or HunyuanVideo-1.5 transformer config")
+
+
+def _config_beside(files: list[Path]):
+    candidate = files[0].parent / "config.json"
+    if not candidate.is_file():
+        return None
+    try:
+        return config_from_json(json.loads(candidate.read_text()))
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{candidate}: not valid JSON ({err})") from None
+
+
+# --- load --------------------------------------------------------------------------------------
+
+def _keep_fp32(family: Family, key: str) -> bool:
+    return any(p in "." + key for p in family.keep_fp32)
+
+
+def _official_name(family: Family, key: str, layout: str) -> str:
+    """Our name for one stored key (fp32 islands are listed in official names)."""
+    return next(iter(from_layout(family.name, {key: torch.empty(0, device="meta")}, layout)))
+
+
+def _cast(value: torch.Tensor, family: Family, official_key: str, dtype: torch.dtype | None):
+    if dtype is None or not value.is_floating_point():
+        return value
+    return value.to(torch.float32 if _keep_fp32(family, official_key) else dtype)
+
+
+def _check_against(model: nn.Module, shapes: dict[str, tuple], where: str) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    misshaped = sorted(f"{k}: checkpoint {list(shapes[k])}, model {list(expected[k])}"
+                       for k in set(expected) & set(shapes) if tuple(shapes[k]) != expected[k])
+    if missing or unexpected or misshaped:
+        def listing(title, items):
+            more = f" (+{len(items) - 20} more)" if len(items) > 20 else ""
+            return f"\n  {title} ({len(items)}): " + ", ".join(items[:20]) + more if items else ""
+        raise CheckpointError(f"{where} does not fit the model:"
+                              + listing("missing", missing) + listing("unexpected", unexpected)
+                              + listing("mis-shaped", misshaped))
+
+
+def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None):
+    """Build the model of `config` (a name or config; default: config.json beside the weights)
+    and fill it from the checkpoint at `path`. Returns (model, info dict)."""
+    files = checkpoint_files(path)
+    headers = read_headers(files)
+    found_family, layout = detect(headers)
+    if config is None:
+        config = _config_beside(files)
+        if config is None:
+            raise CheckpointError(f"{path}: no config.json beside the weights; name the model "
+                                  f"(one of {[n for f in FAMILIES.values() for n in f.configs]})")
+    config = resolve_config(config)
+    family = family_of(config)
+    if found_family != family.name:
+        raise CheckpointError(f"{path} holds a {FAMILIES[found_family].title} checkpoint; the "
+                              f"requested model is a {family.title}")
+
+    model = build_model(config, meta=True)
+    metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in headers.items()}
+    converted = from_layout(family.name, metas, layout)
+    _check_against(model, {k: tuple(v.shape) for k, v in converted.items()}, str(path))
+
+    state = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            for name, info in headers.items():
+                if info.file == file:  # cast one tensor at a time: peak memory = model + 1 tensor
+                    official = _official_name(family, name, layout)
+                    state[name] = _cast(fh.get_tensor(info.stored), family, official, dtype)
+    state = from_layout(family.name, state, layout)
+    model.load_state_dict(state, strict=True, assign=True)
+    info = {"family": family.name, "layout": layout, "files": [str(f) for f in files],
+            "tensors": len(state)}
+    return model, info
+
+
+# --- save --------------------------------------------------------------------------------------
+
+def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, layout: str = OFFICIAL,
+                    max_shard_bytes: int | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write weights (sharded with an index when larger than max_shard_bytes) and config.json.
+
+    The directory must not exist yet (nothing is overwritten); files are written to a
+    temporary sibling and renamed into place, so a failure leaves no partial checkpoint.
+    """
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    directory = Path(directory)
+    if directory.exists():
+        raise CheckpointError(f"{directory} already exists; choose a new directory")
+    family = family_of(model.config)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    # safetensors refuses tensors that share storage (the split refiner qkv): copy those views.
+    state = {k: v.contiguous().clone() if _is_view(v) else v.contiguous()
+             for k, v in to_layout(family.name, state, layout).items()}
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(state):
+        nbytes = state[key].numel() * state[key].element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = state[key]
+        size += nbytes
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(v.numel() * v.element_size() for v in state.values())
+            (tmp / INDEX_NAME).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config_to_json(model.config, layout), indent=2))
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def _is_view(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() != t.numel() * t.element_size()
