@@ -215,6 +215,12 @@ def config_to_json(config, layout: str) -> dict:
     return {**own, "static_dit": {"family": fam.name, **config_dict(config)}}
 
 
+# Architecture switches of the official HunyuanVideo-1.5 config that every release shares.
+_HY_FIXED = {"mm_single_blocks_depth": 0, "guidance_embed": False, "concat_condition": True,
+             "glyph_byT5_v2": True, "text_states_dim_2": None, "use_cond_type_embedding": True,
+             "text_projection": "single_refiner", "vision_projection": "linear"}
+
+
 def config_from_json(values: dict):
     """Our config from a config.json of either layout (released models) or one we saved."""
     if "static_dit" in values:
@@ -249,6 +255,10 @@ def config_from_json(values: dict):
                 patch_size=tuple(g("patch_size", (1, 2, 2))), text_dim=g("text_dim", 4096),
                 freq_dim=g("freq_dim", 256), eps=g("eps", 1e-6))
         if cls_name == "HunyuanVideo_1_5_DiffusionTransformer" or "mm_double_blocks_depth" in values:
+            unsupported = {k: g(k) for k, want in _HY_FIXED.items() if k in values and g(k) != want}
+            if unsupported:
+                raise CheckpointError(f"config.json sets {unsupported}; every released "
+                                      f"HunyuanVideo-1.5 variant has {_HY_FIXED}")
             return FAMILIES["hunyuan_video15"].config_cls(
                 hidden_size=g("hidden_size"), num_heads=g("heads_num"),
                 num_layers=g("mm_double_blocks_depth"), in_channels=g("in_channels"),

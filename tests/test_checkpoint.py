@@ -83,6 +83,38 @@ def test_released_config_json_without_our_fields(tmp_path):
         assert config_from_json(config) == get_config(name)
 
 
+# As the released repositories ship them (model_spec 2.8, 3.8).
+OFFICIAL_WAN_TI2V = {"_class_name": "WanModel", "_diffusers_version": "0.33.0", "dim": 3072,
+                     "eps": 1e-06, "ffn_dim": 14336, "freq_dim": 256, "in_dim": 48,
+                     "model_type": "ti2v", "num_heads": 24, "num_layers": 30, "out_dim": 48,
+                     "text_len": 512}
+OFFICIAL_HY_720P_T2V = {
+    "_class_name": "HunyuanVideo_1_5_DiffusionTransformer", "concat_condition": True,
+    "glyph_byT5_v2": True, "guidance_embed": False, "heads_num": 16, "hidden_size": 2048,
+    "ideal_resolution": "720p", "ideal_task": "t2v", "in_channels": 32,
+    "is_reshape_temporal_channels": False, "mlp_act_type": "gelu_tanh", "mlp_width_ratio": 4,
+    "mm_double_blocks_depth": 54, "mm_single_blocks_depth": 0, "out_channels": 32,
+    "patch_size": [1, 1, 1], "qk_norm": True, "qk_norm_type": "rms", "qkv_bias": True,
+    "rope_dim_list": [16, 56, 56], "rope_theta": 256, "text_pool_type": None,
+    "text_projection": "single_refiner", "text_states_dim": 3584, "text_states_dim_2": None,
+    "use_attention_mask": True, "use_cond_type_embedding": True, "use_meanflow": False,
+    "vision_projection": "linear", "vision_states_dim": 1152}
+
+
+def test_official_config_json_files():
+    from modules.checkpoint import config_from_json
+    from modules.registry import get_config
+    assert config_from_json(OFFICIAL_WAN_TI2V) == get_config("wan2.2-ti2v-5b")
+    assert config_from_json(OFFICIAL_HY_720P_T2V) == get_config("hunyuanvideo-1.5-720p_t2v")
+    with pytest.raises(CheckpointError, match="mm_single_blocks_depth"):
+        config_from_json({**OFFICIAL_HY_720P_T2V, "mm_single_blocks_depth": 20})
+    with pytest.raises(CheckpointError, match="Wan2.1 I2V model"):
+        config_from_json({"_class_name": "WanTransformer3DModel", "image_dim": 1280,
+                          "added_kv_proj_dim": 5120})
+    with pytest.raises(CheckpointError, match="expected a Wan2.2 or HunyuanVideo-1.5"):
+        config_from_json({"_class_name": "FluxTransformer2DModel"})
+
+
 def test_dtype_cast_keeps_fp32_islands(tmp_path):
     model = random_model("wan-tiny-ti2v")
     out = save_checkpoint(model, tmp_path / "m", layout=DIFFUSERS)
