@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from modules import ops
-from modules.layers import Linear, ModelConfigError, rope_tables, timestep_sinusoid
+from modules.layers import (
+    Linear,
+    ModelConfigError,
+    patchify,
+    rope_tables,
+    timestep_sinusoid,
+    token_grid,
+)
 
 
 @dataclass(frozen=True)
@@ -255,12 +262,8 @@ class HunyuanVideo15DiT(nn.Module):
         return self.config.num_layers
 
     def grid(self, latent_shape) -> tuple[int, int, int]:
-        *_, frames, height, width = latent_shape
-        pt, ph, pw = self.config.patch_size
-        if frames % pt or height % ph or width % pw:
-            raise ModelConfigError(f"latent F, H, W = {frames}, {height}, {width} must be multiples "
-                                   f"of the patch size {self.config.patch_size}")
-        return frames // pt, height // ph, width // pw
+        """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
+        return token_grid(latent_shape, self.config.patch_size)
 
     def rope(self, grid, device=None):
         return rope_tables(grid, self.config.rope_axes, self.config.rope_theta, device)
@@ -277,6 +280,7 @@ class HunyuanVideo15DiT(nn.Module):
         branch: cond [B, C + 1, F, H, W] (reference latent at frame 0 and the frame mask) and
         vision [B, vision_len, vision_dim] SigLIP states are then required; for T2V both are
         zeros. timestep_r [B]: the next timestep, for the meanflow (step-distilled) variant.
+        rope: `self.rope(grid, device)`, built once per shape (built here when omitted).
         Returns the hidden pair (img, txt) in fp32 and the HunyuanContext.
         """
         cfg = self.config
@@ -304,7 +308,8 @@ class HunyuanVideo15DiT(nn.Module):
                                    f"(step-distilled) variant; use_meanflow={cfg.use_meanflow}")
 
         grid = self.grid(x.shape)
-        img = self._patchify(torch.cat([x, cond.to(x.dtype)], dim=1), grid)
+        img = patchify(torch.cat([x, cond.to(x.dtype)], dim=1), grid,
+                       self.img_in.proj)
 
         vec = self.time_in.mlp(timestep_sinusoid(t)).float()
         if cfg.use_meanflow:
@@ -370,14 +375,6 @@ class HunyuanVideo15DiT(nn.Module):
             ok = ok and len(shape) == len(dims)
         if not ok:
             raise ModelConfigError(f"input has shape {list(shape)}; expected {expected}")
-
-    def _patchify(self, x, grid):
-        b, c = x.shape[:2]
-        (f, h, w), (pt, ph, pw) = grid, self.config.patch_size
-        patches = x.reshape(b, c, f, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
-        weight = self.img_in.proj.weight
-        tokens = patches.reshape(b, f * h * w, -1).to(weight.dtype)
-        return nn.functional.linear(tokens, weight.flatten(1), self.img_in.proj.bias).float()
 
     def _unpatchify(self, out_BLX, grid):
         # Channel-major (c, pt, ph, pw) per token, unlike Wan (T11).

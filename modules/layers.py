@@ -5,6 +5,7 @@ B batch, L tokens, D model dim, P rotary pairs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -35,14 +36,44 @@ def timestep_sinusoid(t: torch.Tensor, dim: int = 256, max_period: float = 10000
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
 
+def token_grid(latent_shape, patch_size: tuple[int, int, int]) -> tuple[int, int, int]:
+    """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
+    *_, frames, height, width = latent_shape
+    pt, ph, pw = patch_size
+    if frames % pt or height % ph or width % pw:
+        raise ModelConfigError(f"latent F, H, W = {frames}, {height}, {width} must be multiples "
+                               f"of the patch size {tuple(patch_size)}")
+    return frames // pt, height // ph, width // pw
+
+
+def patchify(x: torch.Tensor, grid, conv: nn.Conv3d) -> torch.Tensor:
+    """A kernel == stride Conv3d as one matmul over non-overlapping patches: [B, L, D] fp32.
+
+    The Conv3d only holds the official [D, C, pt, ph, pw] weight; a matmul is what an
+    accelerator wants, and tokens come out in (f, h, w) raster order like the official flatten.
+    """
+    b, c = x.shape[:2]
+    (f, h, w), (pt, ph, pw) = grid, conv.kernel_size
+    patches = x.reshape(b, c, f, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+    tokens = patches.reshape(b, f * h * w, -1).to(conv.weight.dtype)
+    return nn.functional.linear(tokens, conv.weight.flatten(1), conv.bias).float()
+
+
 def rope_tables(grid: tuple[int, int, int], axes_dims: tuple[int, int, int], theta: float,
                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [L, P] for tokens in (f, h, w) raster order, per-axis frequencies.
 
     Axis j with d_j channels holds d_j/2 pairs rotating by pos * theta^(-2i/d_j). Computed in
     float64 on the host from the static grid (the official Wan code uses float64), then stored
-    as fp32: they are shape constants, never traced values.
+    as fp32: they are shape constants, never traced values. Build them once per shape and pass
+    them to `prepare`; the host arrays are memoised, the device copy is not.
     """
+    cos, sin = _rope_angles(tuple(grid), tuple(axes_dims), float(theta))
+    return torch.tensor(cos, device=device), torch.tensor(sin, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_angles(grid, axes_dims, theta):
     angles = []
     for axis, (n, d) in enumerate(zip(grid, axes_dims, strict=True)):
         if d % 2:
@@ -54,8 +85,8 @@ def rope_tables(grid: tuple[int, int, int], axes_dims: tuple[int, int, int], the
         angle = (pos[:, None] * inv_freq[None, :]).reshape(shape)
         angles.append(np.broadcast_to(angle, (*grid, d // 2)))
     angle_LP = np.concatenate(angles, axis=-1).reshape(math.prod(grid), -1)
-    cos = torch.as_tensor(np.cos(angle_LP).astype(np.float32), device=device)
-    sin = torch.as_tensor(np.sin(angle_LP).astype(np.float32), device=device)
+    cos, sin = np.cos(angle_LP).astype(np.float32), np.sin(angle_LP).astype(np.float32)
+    cos.flags.writeable = sin.flags.writeable = False  # shared by every caller
     return cos, sin
 
 

@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from modules import ops
-from modules.layers import Linear, ModelConfigError, rope_tables, timestep_sinusoid
+from modules.layers import (
+    Linear,
+    ModelConfigError,
+    patchify,
+    rope_tables,
+    timestep_sinusoid,
+    token_grid,
+)
 
 
 @dataclass(frozen=True)
@@ -189,12 +196,7 @@ class WanDiT(nn.Module):
 
     def grid(self, latent_shape) -> tuple[int, int, int]:
         """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
-        *_, frames, height, width = latent_shape
-        pt, ph, pw = self.config.patch_size
-        if frames % pt or height % ph or width % pw:
-            raise ModelConfigError(f"latent F, H, W = {frames}, {height}, {width} must be multiples "
-                                   f"of the patch size {self.config.patch_size}")
-        return frames // pt, height // ph, width // pw
+        return token_grid(latent_shape, self.config.patch_size)
 
     def rope(self, grid, device=None):
         """RoPE tables for a token grid; pass them to prepare() to build them once per shape."""
@@ -208,7 +210,8 @@ class WanDiT(nn.Module):
 
         x [B, C, F, H, W] noisy latent; t [B] timesteps (sigma * 1000) or [B, L] per token
         (TI2V); context [B, S<=text_len, text_dim] text features, zero-padded here; y
-        [B, C_y, F, H, W] I2V condition (mask and image latent), concatenated on channels.
+        [B, C_y, F, H, W] I2V condition (mask and image latent), concatenated on channels;
+        rope: `self.rope(grid, device)`, built once per shape (built here when omitted).
         Returns the fp32 hidden state entering block 0 and the WanContext.
         """
         cfg = self.config
@@ -222,7 +225,7 @@ class WanDiT(nn.Module):
                                and cfg.model_type == "i2v" else ""))
         grid = self.grid(x.shape)
         tokens = math.prod(grid)
-        h_BLD = self._patchify(x, grid)
+        h_BLD = patchify(x, grid, self.patch_embedding)
 
         if t.ndim == 1 and t.shape[0] == batch:
             t_BT = t[:, None]
@@ -273,14 +276,6 @@ class WanDiT(nn.Module):
         return self.final(h, ctx, grid)
 
     # --- patches ---------------------------------------------------------------------------
-
-    def _patchify(self, x, grid):
-        b, c = x.shape[:2]
-        (f, h, w), (pt, ph, pw) = grid, self.config.patch_size
-        patches = x.reshape(b, c, f, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
-        weight = self.patch_embedding.weight
-        tokens = patches.reshape(b, f * h * w, -1).to(weight.dtype)
-        return nn.functional.linear(tokens, weight.flatten(1), self.patch_embedding.bias).float()
 
     def _unpatchify(self, out_BLX, grid):
         # The head lays each token out as (pt, ph, pw, c), c fastest (trap T11).
