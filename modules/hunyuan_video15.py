@@ -21,12 +21,14 @@ from torch import nn
 
 from modules import ops
 from modules.layers import (
+    LayerNorm,
     Linear,
     ModelConfigError,
+    RMSNorm,
+    StagedDiT,
     patchify,
-    rope_tables,
+    time_mlp,
     timestep_sinusoid,
-    token_grid,
 )
 
 
@@ -105,27 +107,6 @@ class _Named(nn.Module):
             self.add_module(name, child)
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, affine: bool = True):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
-        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
-
-    def forward(self, x):
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return ops.rms_norm(x, self.weight, self.eps)
-
-
 def _modulation(dim: int, chunks: int) -> nn.Sequential:
     return nn.Sequential(nn.SiLU(), Linear(dim, chunks * dim))
 
@@ -161,7 +142,7 @@ class TokenRefiner(nn.Module):
         super().__init__()
         d = cfg.hidden_size
         self.input_embedder = Linear(cfg.text_dim, d)
-        self.t_embedder = _Named(mlp=_mlp_in(256, d))
+        self.t_embedder = _Named(mlp=time_mlp(256, d))
         self.c_embedder = _Named(linear_1=Linear(cfg.text_dim, d), linear_2=Linear(d, d))
         self.individual_token_refiner = _Named(
             blocks=nn.ModuleList(RefinerBlock(cfg) for _ in range(cfg.refiner_layers)))
@@ -177,10 +158,6 @@ class TokenRefiner(nn.Module):
         for block in self.individual_token_refiner.blocks:
             x = block(x, c, key_mask)
         return x
-
-
-def _mlp_in(dim_in: int, dim: int) -> nn.Sequential:
-    return nn.Sequential(Linear(dim_in, dim), nn.SiLU(), Linear(dim, dim))
 
 
 class DoubleStreamBlock(nn.Module):
@@ -233,7 +210,7 @@ class DoubleStreamBlock(nn.Module):
         return img, txt
 
 
-class HunyuanVideo15DiT(nn.Module):
+class HunyuanVideo15DiT(StagedDiT):
     def __init__(self, cfg: HunyuanVideo15Config):
         super().__init__()
         self.config = cfg
@@ -241,9 +218,9 @@ class HunyuanVideo15DiT(nn.Module):
         # Conv3d holds the official weight; prepare() applies it as a per-patch matmul.
         self.img_in = _Named(proj=nn.Conv3d(2 * cfg.in_channels + 1, d, cfg.patch_size,
                                             cfg.patch_size))
-        self.time_in = _Named(mlp=_mlp_in(256, d))
+        self.time_in = _Named(mlp=time_mlp(256, d))
         if cfg.use_meanflow:
-            self.time_r_in = _Named(mlp=_mlp_in(256, d))
+            self.time_r_in = _Named(mlp=time_mlp(256, d))
         self.txt_in = TokenRefiner(cfg)
         self.byt5_in = _Named(layernorm=LayerNorm(cfg.byt5_dim, 1e-5),
                               fc1=Linear(cfg.byt5_dim, cfg.byt5_hidden),
@@ -256,17 +233,6 @@ class HunyuanVideo15DiT(nn.Module):
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(cfg) for _ in range(cfg.num_layers))
         self.final_layer = _Named(adaLN_modulation=_modulation(d, 2),
                                   linear=Linear(d, math.prod(cfg.patch_size) * cfg.out_channels))
-
-    @property
-    def num_blocks(self) -> int:
-        return self.config.num_layers
-
-    def grid(self, latent_shape) -> tuple[int, int, int]:
-        """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
-        return token_grid(latent_shape, self.config.patch_size)
-
-    def rope(self, grid, device=None):
-        return rope_tables(grid, self.config.rope_axes, self.config.rope_theta, device)
 
     # --- staged API ------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from modules import ops
+
 
 class ModelConfigError(ValueError):
     """A model configuration or an input shape that the model cannot take."""
@@ -22,6 +24,51 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.to(self.weight.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm computed and returned in fp32 (the official norms run in fp32)."""
+
+    def __init__(self, dim: int, eps: float, affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if affine else None
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def time_mlp(dim_in: int, dim: int) -> nn.Sequential:
+    """Linear -> SiLU -> Linear on a timestep sinusoid (keys `.0.` and `.2.` as shipped)."""
+    return nn.Sequential(Linear(dim_in, dim), nn.SiLU(), Linear(dim, dim))
+
+
+class StagedDiT(nn.Module):
+    """What both DiTs share around the staged API; the config names patch_size, rope_axes,
+    rope_theta and num_layers."""
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_layers
+
+    def grid(self, latent_shape) -> tuple[int, int, int]:
+        """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
+        return token_grid(latent_shape, self.config.patch_size)
+
+    def rope(self, grid, device=None):
+        """RoPE tables for a token grid; build them once per shape and pass them to prepare()."""
+        return rope_tables(grid, self.config.rope_axes, self.config.rope_theta, device)
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
@@ -88,7 +135,3 @@ def _rope_angles(grid, axes_dims, theta):
     cos, sin = np.cos(angle_LP).astype(np.float32), np.sin(angle_LP).astype(np.float32)
     cos.flags.writeable = sin.flags.writeable = False  # shared by every caller
     return cos, sin
-
-
-def count_parameters(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

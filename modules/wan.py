@@ -21,12 +21,14 @@ from torch import nn
 
 from modules import ops
 from modules.layers import (
+    LayerNorm,
     Linear,
     ModelConfigError,
+    RMSNorm,
+    StagedDiT,
     patchify,
-    rope_tables,
+    time_mlp,
     timestep_sinusoid,
-    token_grid,
 )
 
 
@@ -95,29 +97,6 @@ class WanContext(NamedTuple):
     rope_sin: torch.Tensor  # [L, H/2]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return ops.rms_norm(x, self.weight, self.eps)
-
-
-class LayerNorm(nn.Module):
-    """Affine LayerNorm whose output is fp32 (official `WanLayerNorm` computes in fp32)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x):
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
-
-
 class WanAttention(nn.Module):
     """Self- or cross-attention with q/k RMSNorm over all heads at once (trap T1)."""
 
@@ -142,7 +121,7 @@ class WanBlock(nn.Module):
         super().__init__()
         self.eps = cfg.eps
         self.self_attn = WanAttention(cfg)
-        self.norm3 = LayerNorm(cfg.dim, cfg.eps)  # before cross-attention; diffusers `norm2` (T4)
+        self.norm3 = LayerNorm(cfg.dim, cfg.eps)  # affine, before cross-attention; diffusers `norm2` (T4)
         self.cross_attn = WanAttention(cfg)
         self.ffn = nn.Sequential(Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
                                  Linear(cfg.ffn_dim, cfg.dim))
@@ -175,7 +154,7 @@ class WanHead(nn.Module):
         return self.head(ops.layer_norm_modulate(h_BLD, shift, scale, self.eps))
 
 
-class WanDiT(nn.Module):
+class WanDiT(StagedDiT):
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.config = cfg
@@ -185,22 +164,10 @@ class WanDiT(nn.Module):
         self.patch_embedding = nn.Conv3d(cfg.in_dim, d, cfg.patch_size, cfg.patch_size)
         self.text_embedding = nn.Sequential(Linear(cfg.text_dim, d), nn.GELU(approximate="tanh"),
                                             Linear(d, d))
-        self.time_embedding = nn.Sequential(Linear(cfg.freq_dim, d), nn.SiLU(), Linear(d, d))
+        self.time_embedding = time_mlp(cfg.freq_dim, d)
         self.time_projection = nn.Sequential(nn.SiLU(), Linear(d, 6 * d))
         self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
         self.head = WanHead(cfg)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.config.num_layers
-
-    def grid(self, latent_shape) -> tuple[int, int, int]:
-        """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
-        return token_grid(latent_shape, self.config.patch_size)
-
-    def rope(self, grid, device=None):
-        """RoPE tables for a token grid; pass them to prepare() to build them once per shape."""
-        return rope_tables(grid, self.config.rope_axes, self.config.rope_theta, device)
 
     # --- staged API ------------------------------------------------------------------------
 
