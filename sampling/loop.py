@@ -1,0 +1,155 @@
+"""The denoising loop shared by both backends, and the one small interface it needs from them.
+
+Per step: pick the expert (Wan2.2 I2V-A14B), run the model once per CFG branch through the gate
+(probe -> decide -> middle or cached residual -> tail), combine the branches, step the
+scheduler, and write back the TI2V first frame. Schedule-only gates read nothing from the device;
+adaptive gates read one [B, K] signal tensor per model call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from cache import CacheManager, Signals, TensorOps
+
+from .pipelines import Pipeline
+from .stages import SignalPlan
+
+
+class Backend(Protocol):
+    """What the loop needs from a backend (JAX through torchax, or torch)."""
+
+    ops: TensorOps  # how the gate adds, subtracts and moves residuals
+
+    def put(self, tensor: torch.Tensor) -> Any: ...  # host tensor -> device
+    def get(self, x) -> torch.Tensor: ...  # device -> host tensor (a sync)
+    def sync(self, x) -> None: ...  # wait until x is computed (timing only)
+    def probe(self, expert, x, t, conds: dict, reference) -> tuple: ...  # hidden, ctx, signals, r1
+    def middle(self, expert, hidden, ctx): ...
+    def tail(self, expert, hidden, ctx): ...
+    def read_signals(self, signals) -> list[list[float]]: ...  # [B][K] floats (a sync)
+    def lincomb(self, terms) -> Any: ...  # sum(w * x) in fp32
+    def replace_first_frame(self, x, frame): ...
+    def compile_counts(self): ...  # cumulative counts with a `-` (None: nothing compiles)
+
+
+@dataclass
+class Sample:
+    """One trajectory's inputs, already on the device."""
+
+    pipeline: Pipeline
+    noise: Any
+    latent_shape: tuple
+    conds: dict  # branch -> (tensor kwargs on device)
+    guidance: Any = None  # None = the pipeline's default (a (low, high) pair for MoE)
+    image: bool = False
+    first_frame: Any = None  # TI2V image mode: clean frame-0 latent on device
+
+
+@dataclass
+class LoopStats:
+    step_seconds: list[float] = field(default_factory=list)
+    step_computed: list[bool] = field(default_factory=list)  # the leader ran the full stack
+    step_expert: list[str | None] = field(default_factory=list)
+    signal_reads: int = 0
+    model_calls: int = 0
+    wall_seconds: float = 0.0
+
+
+class Combination(tuple):
+    """A weighted sum ((w, x), ...) not computed yet: the CFG combination is handed to the
+    scheduler in this form and folded into its first combination, saving one program a step."""
+
+
+def folding(lincomb):
+    """Wrap a backend's lincomb so that terms which are Combinations are expanded in place."""
+
+    def fold(terms):
+        flat = []
+        for w, x in terms:
+            if isinstance(x, Combination):
+                flat.extend((w * wi, xi) for wi, xi in x)
+            else:
+                flat.append((w, x))
+        return lincomb(flat)
+
+    return fold
+
+
+def branches(guidance: float, cfg_compute_first: bool) -> tuple[str, ...]:
+    """CFG branches of one step, leader first; guidance 1 needs no unconditional pass."""
+    if guidance == 1.0:
+        return ("cond",)
+    return ("uncond", "cond") if cfg_compute_first else ("cond", "uncond")
+
+
+def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: LoopStats,
+               branch: str, expert, x, t, conds: dict):
+    """One model call through the gate; returns the model output (noise/velocity prediction)."""
+    gate.begin_step(branch, expert)
+    reference = gate.probe_reference(branch) if plan.needs_reference else None
+    hidden, ctx, signals_dev, r1 = backend.probe(expert, x, t, conds, reference)
+    signals = Signals()
+    if plan.kinds and gate.config.needs_signals:
+        values = backend.read_signals(signals_dev)[0]
+        stats.signal_reads += 1
+        named = dict(zip((k for k, _ in plan.kinds), values, strict=True))
+        if plan.needs_reference and reference is None:
+            named["fbcache"] = None  # nothing to compare block 0's residual with yet
+        signals = Signals(**named)
+    decision = gate.decide(signals)
+    hidden, _, decision = gate.apply(decision, hidden)
+    if not decision.skip:
+        after = backend.middle(expert, hidden, ctx)
+        gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None)
+        hidden = after
+    stats.model_calls += 1
+    return backend.tail(expert, hidden, ctx), decision
+
+
+def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, sample: Sample,
+            *, step_sync: bool = True, progress: Callable[[int, int, bool], None] | None = None):
+    """Run the whole trajectory; returns (final latent on device, LoopStats)."""
+    pipe, stats = sample.pipeline, LoopStats()
+    timesteps = scheduler.timesteps
+    meanflow = getattr(pipe.config, "use_meanflow", False)
+    lincomb = folding(backend.lincomb)
+    x = sample.noise
+    if sample.first_frame is not None:
+        x = backend.replace_first_frame(x, sample.first_frame)
+    # The schedule is known: every step's timestep inputs go to the device before the loop.
+    t_inputs = [backend.put(pipe.timestep_input(t, sample.latent_shape, sample.image))
+                for t in timesteps]
+    # the step-distilled model reads the next timestep too (0 at the end, T23)
+    r_inputs = [backend.put(torch.tensor([r])) for r in (*timesteps[1:], 0.0)] if meanflow else None
+    start = time.perf_counter()
+    for i, t in enumerate(timesteps):
+        began = time.perf_counter()
+        expert = pipe.expert_at(t)
+        g = pipe.guidance_for(expert, sample.guidance)
+        t_dev = t_inputs[i]
+        per_step = {"timestep_r": r_inputs[i]} if meanflow else {}
+        outs, leader = {}, None
+        for branch in branches(g, gate.config.cfg_compute_first):
+            outs[branch], decision = model_call(backend, gate, plan, stats, branch, expert, x,
+                                                t_dev, {**sample.conds[branch], **per_step})
+            leader = leader or decision
+        v = outs["cond"] if len(outs) == 1 else \
+            Combination(((1.0 - g, outs["uncond"]), (g, outs["cond"])))  # uncond + g (cond - uncond)
+        x = scheduler.step(i, v, x, lincomb)
+        if sample.first_frame is not None:
+            x = backend.replace_first_frame(x, sample.first_frame)
+        if step_sync:
+            backend.sync(x)
+        stats.step_seconds.append(time.perf_counter() - began)
+        stats.step_computed.append(not leader.skip)
+        stats.step_expert.append(expert)
+        if progress is not None:
+            progress(i + 1, len(timesteps), not leader.skip)
+    backend.sync(x)
+    stats.wall_seconds = time.perf_counter() - start
+    return x, stats

@@ -1,0 +1,215 @@
+"""Named pipelines: which DiT(s) a `--model` name runs, its sampling defaults, its latent geometry,
+and the stage-1 tensors it reads. The one place these defaults live (model_spec 2.5-2.7, 3.7).
+
+A pipeline turns stage-1 tensors into per-branch keyword arguments of the model's `prepare`
+(`conditions`), and says how a timestep is fed (`timestep_input`, per token for TI2V image mode).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from modules.registry import get_config
+
+# Stage-1 tensor names as the existing TPU port writes them (tpu_notes 1.2), plus our image keys.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MASK_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Expected shape (None = any size) and dtypes of one stage-1 tensor."""
+
+    shape: tuple[int | None, ...]
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    required: bool = True
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    family: str  # "wan" or "hunyuan_video15"
+    experts: tuple[tuple[str | None, str], ...]  # (expert, model config name); None = one model
+    task: str  # "t2v", "i2v" (image conditioning) or "ti2v" (text, optionally a first frame)
+    solver: str
+    shift: float
+    guidance: float | tuple[float, float]  # Wan2.2 I2V-A14B: (low-noise, high-noise) (trap T7)
+    steps: int
+    size: tuple[int, int, int]  # default (height, width, frames)
+    vae_stride: tuple[int, int]  # (temporal, spatial)
+    boundary: float | None = None  # expert switch: "high" while t >= boundary (trap T6)
+    checkpoint_dirs: dict = field(default_factory=dict)  # expert -> subfolder of --model_path
+
+    @property
+    def config(self):
+        return get_config(self.experts[0][1])
+
+    @property
+    def moe(self) -> bool:
+        return self.boundary is not None
+
+    def expert_at(self, t: float) -> str | None:
+        if not self.moe:
+            return self.experts[0][0]
+        return "high" if t >= self.boundary else "low"
+
+    def guidance_for(self, expert: str | None, guidance=None) -> float:
+        g = self.guidance if guidance is None else guidance
+        if isinstance(g, tuple):
+            return g[1] if expert == "high" else g[0]
+        return float(g)
+
+    # --- geometry ---------------------------------------------------------------------------
+
+    @property
+    def latent_channels(self) -> int:
+        cfg = self.config
+        return cfg.in_channels if self.family == "hunyuan_video15" else cfg.out_dim
+
+    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int, int, int]:
+        """[1, C, F, H, W] for a clip, checked against the VAE and patch strides."""
+        st, ss = self.vae_stride
+        patch = self.config.patch_size
+        if frames < 1 or (frames - 1) % st:
+            raise ValueError(f"video_length {frames}: expected 4k + 1 frames (the VAE is causal "
+                             f"with temporal stride {st}), e.g. {((frames - 1) // st) * st + 1}")
+        for name, value in (("height", height), ("width", width)):
+            unit = ss * patch[1]
+            if value < unit or value % unit:
+                raise ValueError(f"{name} {value}: expected a positive multiple of {unit} "
+                                 f"(VAE stride {ss} x patch {patch[1]})")
+        return 1, self.latent_channels, (frames - 1) // st + 1, height // ss, width // ss
+
+    # --- stage-1 tensors ----------------------------------------------------------------------
+
+    def stage1_specs(self, latent_shape, cfg_on: bool, image: bool) -> dict[str, TensorSpec]:
+        """What stage1_embeddings.safetensors must hold for this pipeline."""
+        cfg, (_, c, f, h, w) = self.config, latent_shape
+        neg = ("", "negative_") if cfg_on else ("",)
+        specs = {}
+        if self.family == "hunyuan_video15":
+            for p in neg:
+                specs[f"{p}prompt_embeds"] = TensorSpec((1, cfg.text_len, cfg.text_dim), doc="MLLM")
+                specs[f"{p}prompt_embeds_mask"] = TensorSpec((1, cfg.text_len), MASK_DTYPES)
+                specs[f"{p}prompt_embeds_2"] = TensorSpec((1, cfg.byt5_len, cfg.byt5_dim), doc="byT5")
+                specs[f"{p}prompt_embeds_mask_2"] = TensorSpec((1, cfg.byt5_len), MASK_DTYPES)
+            if image:
+                specs["image_embeds"] = TensorSpec((1, cfg.vision_len, cfg.vision_dim), doc="SigLIP")
+                specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
+        else:
+            for p in neg:
+                specs[f"{p}prompt_embeds"] = TensorSpec((1, None, cfg.text_dim), doc="umT5")
+            if self.task == "i2v":
+                specs["condition"] = TensorSpec((1, cfg.in_dim - c, f, h, w),
+                                                doc="[mask 4 | image latent] (trap T9)")
+            elif image:
+                specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
+        return specs
+
+    def synthesize(self, latent_shape, cfg_on: bool, image: bool, seed: int) -> dict:
+        """Stage-1 tensors of the right shapes, drawn from `seed` (no text encoder needed)."""
+        gen = torch.Generator().manual_seed(seed)
+        cfg, out = self.config, {}
+        for name, spec in self.stage1_specs(latent_shape, cfg_on, image).items():
+            shape = tuple(cfg.text_len // 2 if d is None else d for d in spec.shape)
+            if "mask" in name:
+                mask = torch.zeros(shape, dtype=torch.int64)
+                mask[:, : max(1, shape[1] // 2)] = 1
+                if name.endswith("_2"):  # no quoted text in the prompt: an all-zero byT5 mask
+                    mask.zero_()
+                out[name] = mask
+            else:
+                out[name] = torch.randn(shape, generator=gen)
+        if "condition" in out:  # a real mask: latent frame 0 is the image (trap T9)
+            out["condition"][:, :4] = 0.0
+            out["condition"][:, :4, 0] = 1.0
+        return out
+
+    def conditions(self, tensors: dict, branch: str, image: bool, latent_shape) -> tuple[dict, dict]:
+        """(tensor kwargs, static kwargs) of `prepare` for one CFG branch, batch 1."""
+        p = "negative_" if branch == "uncond" else ""
+        if self.family == "hunyuan_video15":
+            cfg = self.config
+            kw = dict(text=tensors[f"{p}prompt_embeds"].float(),
+                      text_mask=tensors[f"{p}prompt_embeds_mask"].bool(),
+                      byt5=tensors[f"{p}prompt_embeds_2"].float(),
+                      byt5_mask=tensors[f"{p}prompt_embeds_mask_2"].bool())
+            if image:
+                z = tensors["image_latents"].float()
+                cond = torch.zeros((1, cfg.in_channels + 1, *latent_shape[2:]))
+                cond[:, : cfg.in_channels, :1] = z  # reference latent at frame 0, then the mask
+                cond[:, cfg.in_channels, 0] = 1.0
+                kw.update(cond=cond, vision=tensors["image_embeds"].float())
+            return kw, {"i2v": image}
+        kw = {"context": tensors[f"{p}prompt_embeds"].float()}
+        if self.task == "i2v":
+            kw["y"] = tensors["condition"].float()
+        return kw, {}
+
+    def first_frame(self, tensors: dict, image: bool):
+        """TI2V image mode: the clean first-frame latent written back after every step (T10)."""
+        if self.family == "wan" and self.task == "ti2v" and image:
+            return tensors["image_latents"].float()
+        return None
+
+    def timestep_input(self, t: float, latent_shape, image: bool) -> torch.Tensor:
+        """The model's timestep for one call: [1], or [1, L] with frame-0 tokens at 0 (TI2V image)."""
+        if not (self.family == "wan" and self.task == "ti2v" and image):
+            return torch.tensor([t], dtype=torch.float32)
+        f, h, w = (n // p for n, p in zip(latent_shape[2:], self.config.patch_size, strict=True))
+        per_token = torch.full((1, f * h * w), t, dtype=torch.float32)
+        per_token[:, : h * w] = 0.0
+        return per_token
+
+    def tokens(self, latent_shape) -> int:
+        return math.prod(n // p for n, p in zip(latent_shape[2:], self.config.patch_size, strict=True))
+
+
+_HY_SAMPLING = {  # variant -> (shift, guidance, steps): model_spec 3.7
+    "480p_t2v": (5.0, 6.0, 50), "480p_i2v": (5.0, 6.0, 50), "720p_t2v": (9.0, 6.0, 50),
+    "720p_i2v": (7.0, 6.0, 50), "480p_t2v_distilled": (5.0, 1.0, 50),
+    "480p_i2v_distilled": (5.0, 1.0, 50), "720p_i2v_distilled": (7.0, 1.0, 50),
+    "720p_i2v_distilled_sparse": (7.0, 1.0, 50), "480p_i2v_step_distilled": (7.0, 1.0, 12),
+}
+
+
+def _hy(name, variant):
+    shift, guidance, steps = _HY_SAMPLING[variant]
+    size = (720, 1280, 121) if variant.startswith("720p") else (480, 848, 121)
+    return Pipeline(name, "hunyuan_video15", ((None, f"hunyuanvideo-1.5-{variant}"),),
+                    "i2v" if "i2v" in variant else "t2v", "euler", shift, guidance, steps, size,
+                    (4, 16))
+
+
+PIPELINES: dict[str, Pipeline] = {
+    **{f"hunyuanvideo-1.5-{v}": _hy(f"hunyuanvideo-1.5-{v}", v) for v in _HY_SAMPLING},
+    "wan2.2-ti2v-5b": Pipeline("wan2.2-ti2v-5b", "wan", ((None, "wan2.2-ti2v-5b"),), "ti2v",
+                               "unipc", 5.0, 5.0, 50, (704, 1280, 121), (4, 16)),
+    "wan2.2-i2v-a14b": Pipeline(
+        "wan2.2-i2v-a14b", "wan", (("high", "wan2.2-i2v-a14b-high"), ("low", "wan2.2-i2v-a14b-low")),
+        "i2v", "unipc", 5.0, (3.5, 3.5), 40, (720, 1280, 81), (4, 8), boundary=900.0,
+        checkpoint_dirs={"high": "high_noise_model", "low": "low_noise_model"}),
+    # Tiny random-weight pipelines: same code paths, seconds on a CPU.
+    "hunyuanvideo-tiny": Pipeline("hunyuanvideo-tiny", "hunyuan_video15",
+                                  ((None, "hunyuanvideo-tiny"),), "t2v", "euler", 5.0, 6.0, 50,
+                                  (64, 80, 9), (4, 16)),
+    "hunyuanvideo-tiny-meanflow": Pipeline(
+        "hunyuanvideo-tiny-meanflow", "hunyuan_video15", ((None, "hunyuanvideo-tiny-meanflow"),),
+        "i2v", "euler", 7.0, 1.0, 12, (64, 80, 9), (4, 16)),
+    "wan-tiny-ti2v": Pipeline("wan-tiny-ti2v", "wan", ((None, "wan-tiny-ti2v"),), "ti2v", "unipc",
+                              5.0, 5.0, 50, (128, 192, 9), (4, 16)),
+    "wan-tiny-i2v": Pipeline("wan-tiny-i2v", "wan", (("high", "wan-tiny-i2v"), ("low", "wan-tiny-i2v")),
+                             "i2v", "unipc", 5.0, (3.5, 3.5), 40, (64, 96, 9), (4, 8),
+                             boundary=900.0),
+}
+DEFAULT_PIPELINE = "hunyuanvideo-tiny"
+
+
+def get_pipeline(name: str) -> Pipeline:
+    if name not in PIPELINES:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(PIPELINES)}")
+    return PIPELINES[name]

@@ -1,0 +1,110 @@
+"""Wiring one trajectory: inputs onto the device, warm-up of every program, the timed loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cache import CacheManager, CMConfig
+
+from .loop import Backend, Combination, LoopStats, Sample, branches, denoise, folding
+from .pipelines import Pipeline
+from .schedulers import make_scheduler
+from .stages import SignalPlan
+
+
+def noise_for(latent_shape, seed: int) -> torch.Tensor:
+    """Initial noise, drawn on the host from the seed: never inside a jitted program."""
+    return torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
+
+
+def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
+                seed: int, guidance=None) -> Sample:
+    """Put one trajectory's inputs on the device and build the backend's programs for them."""
+    g_values = {pipe.guidance_for(e, guidance) for e, _ in pipe.experts}
+    needed = ("cond", "uncond") if any(g != 1.0 for g in g_values) else ("cond",)
+    conds, static = {}, {}
+    for branch in needed:
+        kw, static = pipe.conditions(tensors, branch, image, latent_shape)
+        conds[branch] = {k: backend.put(v) for k, v in kw.items()}
+    names = tuple(conds["cond"])
+    if getattr(pipe.config, "use_meanflow", False):
+        names += ("timestep_r",)
+    backend.prepare(names, static, latent_shape)
+    first = pipe.first_frame(tensors, image)
+    return Sample(pipe, backend.put(noise_for(latent_shape, seed)), tuple(latent_shape), conds,
+                  guidance, image, None if first is None else backend.put(first))
+
+
+def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> None:
+    """Run every program the loop can use once, on the real shapes, outside the timed loop:
+    probe, middle, tail, the residual add/sub, the signal read, the CFG combination, every
+    scheduler combination (a dry pass over the whole schedule) and the frame write-back."""
+    pipe = sample.pipeline
+    t = backend.put(pipe.timestep_input(scheduler.timesteps[0], sample.latent_shape, sample.image))
+    conds = dict(sample.conds["cond"])
+    if getattr(pipe.config, "use_meanflow", False):
+        conds["timestep_r"] = backend.put(torch.tensor([0.0]))
+    expert = pipe.experts[0][0]  # the experts share their programs
+    hidden, ctx, signals, r1 = backend.probe(expert, sample.noise, t, conds, None)
+    if plan.kinds:
+        backend.read_signals(signals)
+    if plan.needs_reference:
+        backend.probe(expert, sample.noise, t, conds, r1)
+    after = backend.middle(expert, hidden, ctx)
+    backend.ops.add(hidden, backend.ops.sub(after, hidden))
+    out = backend.tail(expert, hidden, ctx)
+    lincomb, x = folding(backend.lincomb), sample.noise
+    for v in (out, Combination(((-1.0, out), (2.0, out)))):  # without and with CFG
+        dry = scheduler.fresh()
+        for i in range(len(dry.timesteps)):
+            x = dry.step(i, v, x, lincomb)
+    if sample.first_frame is not None:
+        x = backend.replace_first_frame(x, sample.first_frame)
+    backend.sync(x)
+
+
+@dataclass
+class Trajectory:
+    latents: Any  # on the device
+    stats: LoopStats
+    gate: CacheManager
+    warmup_compiles: Any = None  # the backend's compile counts during warm-up
+    loop_compiles: Any = None  # ... and during the timed loop (zero when all is well)
+    warmup_seconds: float = 0.0
+
+
+def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: str, steps: int,
+                shift: float, progress=None, warmup_rounds: int = 1, step_sync: bool = True) -> Trajectory:
+    """Warm up (`warmup_rounds` passes over every program; compiles happen in the first) and
+    run one trajectory with a fresh gate. The backend's programs
+    (its SignalPlan) must serve `config`: same probe and tail blocks, and the signals it needs;
+    a config with caching off runs on any plan (the gate then always computes)."""
+    plan = backend.plan
+    want = SignalPlan.from_config(config)
+    if config.enabled and want != plan:
+        raise ValueError(f"the backend was built for {plan}, the gate needs {want}")
+    scheduler = make_scheduler(solver, steps, shift)
+    gate = CacheManager(config, backend.ops)
+    gate.attach(steps)
+    before = backend.compile_counts()
+    began = time.perf_counter()
+    for _ in range(warmup_rounds):
+        warm_up(backend, plan, scheduler, sample)
+    warmed = backend.compile_counts()
+    warm_seconds = time.perf_counter() - began
+    latents, stats = denoise(backend, gate, plan, scheduler.fresh(), sample, progress=progress,
+                             step_sync=step_sync)
+    after = backend.compile_counts()
+    return Trajectory(latents, stats, gate, _delta(warmed, before), _delta(after, warmed),
+                      warm_seconds)
+
+
+def _delta(after, before):
+    return None if after is None else after - before
+
+
+__all__ = ["branches", "make_sample", "noise_for", "sample_once", "warm_up", "Trajectory"]

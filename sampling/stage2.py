@@ -1,0 +1,349 @@
+"""Stage 2 of the pipeline as a command: flags, checks, sampling, stage files, summary.
+
+Order of work, so that bad input never costs a compile and never leaves output behind:
+resolve flags -> read and check stage-1 files (or synthesize them) -> load the model(s) ->
+build the backend -> warm up (every program compiles here) -> the timed loop -> (the uncached
+comparison) -> write stage2_latents.safetensors and generation_config.json atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from cache import CMConfig, ConfigError
+from cache.flags import add_cache_arguments, config_from_args
+from modules.checkpoint import CheckpointError, load_model
+from modules.layers import ModelConfigError
+from modules.registry import build_model
+
+from .fidelity import fidelity
+from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
+from .run import make_sample, sample_once
+from .schedulers import SOLVERS, SchedulerError
+from .stage_io import EMBEDDINGS, StageFileError, read_stage1, write_stage2
+from .stages import SignalPlan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class UsageError(ValueError):
+    """A flag or input the run cannot use; reported before sampling."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("stage files")
+    g.add_argument("--input_dir", help=f"stage-1 folder ({EMBEDDINGS}, generation_config.json); "
+                   "default: synthesize stage-1 inputs from --seed")
+    g.add_argument("--output_dir", help="where stage2_latents.safetensors goes (default: "
+                   "--input_dir, else ./stage_outputs)")
+    g = parser.add_argument_group("model and sampling (defaults: the model's, see --model)")
+    g.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES),
+                   help=f"named pipeline (default {DEFAULT_PIPELINE}, tiny random weights)")
+    g.add_argument("--model_path", help="checkpoint (file or folder); Wan2.2 I2V-A14B: the folder "
+                   "holding high_noise_model/ and low_noise_model/")
+    g.add_argument("--dtype", choices=tuple(DTYPES), help="weights (default bf16 with --model_path, "
+                   "else fp32)")
+    g.add_argument("--video_length", type=int, help="frames, 4k + 1")
+    g.add_argument("--height", type=int)
+    g.add_argument("--width", type=int)
+    g.add_argument("--num_inference_steps", type=int)
+    g.add_argument("--guidance_scale", help="CFG scale; 'low,high' for Wan2.2 I2V-A14B experts")
+    g.add_argument("--sample_solver", choices=SOLVERS)
+    g.add_argument("--sample_shift", type=float)
+    g.add_argument("--seed", type=int, default=42, help="noise (and synthetic inputs) seed")
+    g = parser.add_argument_group("backend")
+    g.add_argument("--attention", help="ops.attention implementation while tracing (default: "
+                   "splash on TPU, jax_dpa elsewhere)")
+    g.add_argument("--warmup_steps", type=int, default=1,
+                   help="warm-up rounds before the timed loop; each runs every program once "
+                        "(default 1)")
+    g.add_argument("--compile_cache_dir", default=None,
+                   help="persistent JAX compilation cache (default ~/.cache/dit-feature-cache/jax; "
+                        "'none' turns it off)")
+    g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
+                   help="sequence-parallel group size (default 1)")
+    g = parser.add_argument_group("reporting")
+    g.add_argument("--telemetry_json", help="write the summary and per-call decision trace here")
+    g.add_argument("--compare", action="store_true",
+                   help="also run uncached from the same inputs; report speedup and fidelity")
+    g.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_cache_arguments(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Stage 2 (the denoising loop) of a video DiT with feature caching, on JAX "
+                    "through torchax.")
+    add_arguments(parser)
+    return parser
+
+
+# --- resolution of flags and inputs (no device work) -----------------------------------------
+
+def _guidance(text, pipe):
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        raise UsageError(f"--guidance_scale {text!r}: expected a number or 'low,high'") from None
+    if len(values) == 2 and pipe.moe:
+        return values
+    if len(values) != 1:
+        raise UsageError(f"--guidance_scale {text!r}: expected one number"
+                         + (" or 'low,high'" if pipe.moe else ""))
+    return values[0]
+
+
+def resolve(args) -> dict:
+    """Everything the run needs, checked, before any model or device work."""
+    pipe = get_pipeline(args.model)
+    config = config_from_args(args)
+    if config.cfg_mode == "fused":
+        raise UsageError("--cfg_mode fused (both CFG branches in one call) is not wired into the "
+                         "stage-2 loop yet; use cond_authoritative, separate or shared_diff")
+    if args.sp_size != 1:
+        raise UsageError("--sp_size > 1 arrives with the sequence-parallel issue; use 1")
+    steps = args.num_inference_steps or pipe.steps
+    if steps < 1:
+        raise UsageError(f"--num_inference_steps {steps}: expected >= 1")
+    shift = args.sample_shift if args.sample_shift is not None else pipe.shift
+    if args.warmup_steps < 0:
+        raise UsageError(f"--warmup_steps {args.warmup_steps}: expected >= 0")
+    if args.model_path is None and not pipe.name.endswith(("tiny", "tiny-ti2v", "tiny-i2v",
+                                                           "tiny-meanflow")):
+        raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
+                         f"(or pick a tiny model: hunyuanvideo-tiny, wan-tiny-ti2v, wan-tiny-i2v)")
+    guidance = _guidance(args.guidance_scale, pipe)
+
+    stage1, tensors = {}, None
+    if args.input_dir is not None:
+        from .stage_io import read_config
+        stage1 = read_config(args.input_dir) if os.path.isdir(args.input_dir) else {}
+    height = args.height or stage1.get("height") or pipe.size[0]
+    width = args.width or stage1.get("width") or pipe.size[1]
+    frames = args.video_length or stage1.get("video_length") or pipe.size[2]
+    try:
+        latent_shape = pipe.latent_shape(int(height), int(width), int(frames))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    g_values = [pipe.guidance_for(e, guidance) for e, _ in pipe.experts]
+    cfg_on = any(g != 1.0 for g in g_values)
+    if args.input_dir is not None:
+        image = pipe.task == "i2v" or (pipe.task == "ti2v" and _has_image(args.input_dir))
+        tensors, stage1 = read_stage1(args.input_dir, pipe.stage1_specs(latent_shape, cfg_on, image))
+    else:
+        image = pipe.task == "i2v"
+        tensors = pipe.synthesize(latent_shape, cfg_on, image, args.seed)
+    output_dir = args.output_dir or args.input_dir or "stage_outputs"
+    dtype = DTYPES[args.dtype or ("bf16" if args.model_path else "fp32")]
+    return dict(pipe=pipe, config=config, steps=steps, shift=shift, guidance=guidance,
+                solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
+                size=(int(height), int(width), int(frames)), tensors=tensors, stage1=stage1,
+                image=image, output_dir=output_dir, dtype=dtype)
+
+
+def _has_image(directory):
+    from safetensors import safe_open
+    try:
+        with safe_open(os.path.join(directory, EMBEDDINGS), "pt") as f:
+            return "image_latents" in f.keys()
+    except Exception:  # noqa: BLE001 - read_stage1 reports the unreadable file properly
+        return False
+
+
+def load_models(pipe, model_path, dtype, seed: int = 0) -> dict:
+    """expert -> model: from the checkpoint(s), or tiny random weights drawn from a fixed seed."""
+    models = {}
+    for i, (expert, name) in enumerate(pipe.experts):
+        if model_path is None:
+            torch.manual_seed(seed + i)
+            models[expert] = build_model(name).to(dtype)
+        else:
+            sub = pipe.checkpoint_dirs.get(expert)
+            path = os.path.join(model_path, sub) if sub else model_path
+            models[expert], _ = load_model(path, name, dtype=dtype)
+    return models
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+def _progress(enabled):
+    """A one-line bar on a terminal: '#' a computed step, '.' a reused one."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    marks = []
+
+    def show(done, total, computed):
+        marks.append("#" if computed else ".")
+        bar = "".join(marks).ljust(total)
+        end = "\n" if done == total else ""
+        print(f"\r  [{bar}] {done}/{total}", end=end, file=sys.stderr, flush=True)
+    return show
+
+
+def _cache_metadata(config: CMConfig) -> dict:
+    dc = config.deepcache
+    out = {"cache_enabled": config.enabled, "cache_modes": list(config.modes),
+           "deepcache_enabled": dc is not None}
+    if dc is not None:
+        out.update(cache_start_step=dc.start, cache_end_step=dc.end, cache_step_interval=dc.interval)
+    return out
+
+
+def layer_ideal(num_blocks: int, computed: int, reused: int, fn: int, bn: int) -> float:
+    """Speedup the schedule allows if time were proportional to blocks run (head counted as one):
+    HunyuanVideo-1.5's 54 blocks with DeepCache 11/45/4 over 50 steps give 2750 / 1425 = 1.93x."""
+    full = num_blocks + 1
+    return (computed + reused) * full / (computed * full + reused * (fn + bn + 1))
+
+
+def run(args) -> dict:
+    """The whole stage; returns the report printed and written as telemetry."""
+    from tpu.backend import JaxBackend
+    from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
+
+    r = resolve(args)
+    pipe, config = r["pipe"], r["config"]
+    models = load_models(pipe, args.model_path, r["dtype"])
+    cache_dir = args.compile_cache_dir if args.compile_cache_dir is not None else DEFAULT_CACHE_DIR
+    enable_compile_cache(None if cache_dir.lower() == "none" else cache_dir)
+    plan = SignalPlan.from_config(config)
+    backend = JaxBackend(models, plan, attention_impl=args.attention)
+    sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
+                         seed=args.seed, guidance=r["guidance"])
+    common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"])
+    began = time.perf_counter()
+    traj = sample_once(backend, config, sample, progress=_progress(not args.no_progress),
+                       warmup_rounds=args.warmup_steps, **common)
+    latents = backend.get(traj.latents)
+    report = _report(r, traj, backend, plan, args, time.perf_counter() - began)
+    if args.compare:
+        base = sample_once(backend, CMConfig(), sample, warmup_rounds=0, **common)
+        reference = backend.get(base.latents)
+        report["compare"] = {
+            "uncached_loop_seconds": base.stats.wall_seconds,
+            "speedup": base.stats.wall_seconds / traj.stats.wall_seconds,
+            "loop_compiles_uncached": _counts(base.loop_compiles),
+            **fidelity(latents, reference, backend.get(sample.noise)),
+        }
+    _write(r, latents, report, args)
+    return report
+
+
+def _counts(c):
+    return None if c is None else {"lowered": c.lowered, "backend": c.backend, "cache_hits": c.cache_hits}
+
+
+def _report(r, traj, backend, plan, args, seconds) -> dict:
+    stats, gate = traj.stats, traj.gate
+    full = [s for s, c in zip(stats.step_seconds, stats.step_computed, strict=True) if c]
+    cached = [s for s, c in zip(stats.step_seconds, stats.step_computed, strict=True) if not c]
+    summary = gate.summary()
+    blocks = backend.template.num_blocks
+    return {
+        "model": r["pipe"].name, "steps": r["steps"], "solver": r["solver"], "shift": r["shift"],
+        "guidance": r["guidance"] if r["guidance"] is not None else r["pipe"].guidance,
+        "latent_shape": list(r["latent_shape"]), "tokens": r["pipe"].tokens(r["latent_shape"]),
+        "attention": backend.attention, "device": _device(),
+        "cache": {"modes": list(gate.config.modes), "probe_blocks": plan.fn_blocks,
+                  "tail_blocks": plan.bn_blocks, "config": gate.config.to_dict()},
+        "branches": {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
+                     for b, s in summary["branches"].items()},
+        "experts": {e: {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
+                        for b, s in br.items()} for e, br in summary.get("experts", {}).items()},
+        "failsafes": {k: v for k, v in summary["failsafes"].items() if v},
+        "compiles": {"warmup": _counts(traj.warmup_compiles), "loop": _counts(traj.loop_compiles),
+                     "warmup_seconds": traj.warmup_seconds},
+        "time": {"loop_seconds": stats.wall_seconds, "full_step_seconds": mean(full),
+                 "cached_step_seconds": mean(cached), "full_steps": len(full),
+                 "cached_steps": len(cached), "signal_reads": stats.signal_reads,
+                 "stage_seconds": seconds},
+        "speedup": {
+            "schedule_ideal": layer_ideal(blocks, len(full), len(cached), plan.fn_blocks,
+                                          plan.bn_blocks),
+            "estimated": (mean(full) * len(stats.step_seconds) / stats.wall_seconds) if full else None,
+        },
+        "summary": summary,
+        "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
+    }
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ms(seconds):
+    return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
+
+
+def _device():
+    import jax
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}"
+
+
+def _write(r, latents, report, args):
+    pipe, size = r["pipe"], r["size"]
+    config = dict(r["stage1"])
+    config.update(model=pipe.name, height=size[0], width=size[1], video_length=size[2],
+                  num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=args.seed,
+                  sample_solver=r["solver"], sample_shift=r["shift"],
+                  stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
+                  synthetic_inputs=args.input_dir is None, **_cache_metadata(r["config"]))
+    meta = {k: config[k] for k in ("height", "width", "video_length", "num_inference_steps",
+                                   "guidance_scale", "seed", "model")}
+    meta.update(elapsed_time=report["time"]["stage_seconds"], device=report["device"],
+                **_cache_metadata(r["config"]))
+    out = latents.to(r["dtype"]) if r["dtype"] == torch.bfloat16 else latents
+    report["outputs"] = write_stage2(r["output_dir"], out, meta, config)
+    if args.telemetry_json:
+        with open(args.telemetry_json + ".tmp", "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        os.replace(args.telemetry_json + ".tmp", args.telemetry_json)
+
+
+def format_summary(report: dict) -> str:
+    t, s, c = report["time"], report["speedup"], report["compiles"]
+    lines = [
+        f"stage 2: {report['model']}  {report['steps']} steps {report['solver']} "
+        f"(shift {report['shift']})  guidance {report['guidance']}  latents "
+        f"{report['latent_shape']} ({report['tokens']} tokens)  {report['device']}, "
+        f"attention {report['attention']}",
+        f"cache: {', '.join(report['cache']['modes']) or 'off'}  (probe {report['cache']['probe_blocks']}"
+        f" blocks, tail {report['cache']['tail_blocks']})",
+    ]
+    for b, v in report["branches"].items():
+        lines.append(f"  {b:7s} computed {v['computed']:3d}  reused {v['reused']:3d}")
+    for e, br in report["experts"].items():
+        lines.append(f"  expert {e}: " + "; ".join(f"{b} {v['computed']}/{v['reused']}"
+                                                    for b, v in br.items()))
+    if report["failsafes"]:
+        lines.append(f"  fail-safes: {report['failsafes']}")
+    w, lp = c["warmup"] or {}, c["loop"] or {}
+    lines.append(f"compiles: warm-up {w.get('lowered')} ({c['warmup_seconds']:.1f} s, "
+                 f"{w.get('cache_hits')} from the persistent cache), loop {lp.get('lowered')}")
+    lines.append(f"time: loop {t['loop_seconds']:.2f} s; full step {_ms(t['full_step_seconds'])} "
+                 f"x{t['full_steps']}, cached step {_ms(t['cached_step_seconds'])} x{t['cached_steps']}"
+                 f"; signal reads {t['signal_reads']}")
+    est = s["estimated"]
+    lines.append(f"speedup: {'-' if est is None else f'{est:.2f}x'} estimated (full-step rate), "
+                 f"schedule ideal {s['schedule_ideal']:.2f}x (blocks run)")
+    if "compare" in report:
+        cmp = report["compare"]
+        lines.append(f"compare: uncached loop {cmp['uncached_loop_seconds']:.2f} s -> speedup "
+                     f"{cmp['speedup']:.2f}x; PSNR {cmp['psnr_db']:.1f} dB, rel L2 "
+                     f"{cmp['rel_l2']:.2e}, vs displacement {cmp['rel_to_displacement']:.2e}")
+    if "outputs" in report:
+        lines.append("wrote " + ", ".join(report["outputs"].values()))
+    return "\n".join(lines)
+
+
+ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
+          SchedulerError)

@@ -1,0 +1,193 @@
+"""One model call as three stages over the models' staged API: probe, middle, tail.
+
+    probe   prepare + blocks [0, Fn) + the scalars the gate reads   -> hidden, ctx, signals, r1
+    middle  blocks [Fn, N - Bn)                                     -> hidden
+    tail    blocks [N - Bn, N) + head + unpatchify                  -> model output
+
+Full = probe, middle, tail; Cached = probe, hidden + cached residual, tail. Both backends run these
+same bodies: torch eagerly (or compiled), JAX through torchax jit with the weights passed as
+arguments. Every stage takes positional tensors only and keeps shapes static, so one program per
+stage and input shape serves every step, both CFG branches and both Wan2.2 experts.
+
+Signals are per-sample means over tokens (a [B, K] fp32 tensor), in the order of `SignalPlan.kinds`;
+the sequence-parallel issue reduces the same sums over the `sp` axis.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cache import CMConfig
+from modules.hunyuan_video15 import HunyuanContext, HunyuanVideo15DiT
+from modules.wan import WanContext, WanDiT
+
+EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class SignalPlan:
+    """What the probe computes for the gate, derived from a CMConfig.
+
+    kinds: ("teacache", signature kind) and/or ("fbcache", metric), in Signals field order.
+    """
+
+    fn_blocks: int
+    bn_blocks: int
+    kinds: tuple[tuple[str, str], ...] = ()
+    downsample: int = 1
+
+    @classmethod
+    def from_config(cls, config: CMConfig) -> "SignalPlan":
+        kinds = []
+        if config.teacache is not None:
+            kinds.append(("teacache", config.teacache.signature_of))
+        if config.fbcache is not None:
+            kinds.append(("fbcache", config.fbcache.metric))
+        downsample = config.fbcache.downsample if config.fbcache is not None else 1
+        return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The probe compares block 0's residual with the one stored at the last compute."""
+        return ("fbcache", "residual_tensor_rel_l1") in self.kinds
+
+    @property
+    def needs_residual(self) -> bool:
+        return any(k == "fbcache" and m.startswith("residual") for k, m in self.kinds)
+
+
+def context_type(model: nn.Module):
+    if isinstance(model, WanDiT):
+        return WanContext
+    if isinstance(model, HunyuanVideo15DiT):
+        return HunyuanContext
+    raise TypeError(f"no staged context for {type(model).__name__}")
+
+
+def image_stream(hidden):
+    """The image tokens of a hidden state (HunyuanVideo's is the pair (img, txt))."""
+    return hidden[0] if isinstance(hidden, tuple) else hidden
+
+
+def hidden_dim(model) -> int:
+    cfg = model.config
+    return cfg.dim if isinstance(model, WanDiT) else cfg.hidden_size
+
+
+def reference_shape(model, batch: int, grid, plan: SignalPlan) -> tuple[int, int, int]:
+    """Shape of block 0's (downsampled) residual, the FBCache tensor-metric reference."""
+    return batch, math.ceil(math.prod(grid) / plan.downsample), hidden_dim(model)
+
+
+def _mean_abs(x):
+    return x.float().abs().flatten(1).mean(1)
+
+
+def block_list_name(model) -> str:
+    """Attribute name of the model's block list (`blocks`, `double_blocks`)."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) == model.num_blocks:
+            return name
+    raise TypeError(f"{type(model).__name__} has no list of {model.num_blocks} blocks")
+
+
+class _Stage(nn.Module):
+    embeddings = True  # whether the stage reads parameters outside the block list
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.ctx_type = context_type(model)
+
+    def _ctx(self, ctx):
+        return self.ctx_type(*ctx)
+
+    def blocks_used(self) -> set[int]:
+        raise NotImplementedError
+
+    def uses_parameter(self, name: str) -> bool:
+        """Whether `name` (as in self.named_parameters()) is read by this stage: a backend passes
+        only those, since passing every block's weights to a 2-block program costs dispatch time."""
+        prefix = f"model.{block_list_name(self.model)}."
+        if not name.startswith(prefix):
+            return self.embeddings
+        return int(name[len(prefix):].split(".", 1)[0]) in self.blocks_used()
+
+
+class Probe(_Stage):
+    """prepare + blocks [0, Fn) + signals. Inputs: x, t, rope_cos, rope_sin, reference,
+    then the condition tensors named by `cond_names` (static switches bound in `static`)."""
+
+    def __init__(self, model, plan: SignalPlan, cond_names: tuple[str, ...], static: dict):
+        super().__init__(model)
+        self.plan, self.cond_names, self.static = plan, tuple(cond_names), dict(static)
+
+    def blocks_used(self):
+        # block 0's modulation shapes the modulated-input signatures
+        modulated = any(kind in ("modulated_input", "hidden_rel_l1", "hidden_rel_l2")
+                        for _, kind in self.plan.kinds)
+        return set(range(self.plan.fn_blocks)) | ({0} if modulated else set())
+
+    def forward(self, x, t, rope_cos, rope_sin, reference, *conds):
+        model, plan = self.model, self.plan
+        kwargs = dict(zip(self.cond_names, conds, strict=True))
+        hidden, ctx = model.prepare(x, t, **kwargs, **self.static, rope=(rope_cos, rope_sin))
+        entry = hidden
+        for i in range(plan.fn_blocks):
+            hidden = model.block(i, hidden, ctx)
+        values, r1 = [], None
+        if plan.needs_residual:
+            r1 = (image_stream(hidden) - image_stream(entry))[:, ::plan.downsample].float()
+        for technique, kind in plan.kinds:
+            if technique == "teacache":
+                values.append(_mean_abs(model.signature(kind, entry, ctx)))
+            elif kind in ("hidden_rel_l1", "hidden_rel_l2"):
+                mod = model.signature("modulated_input", entry, ctx)[:, ::plan.downsample].float()
+                values.append(_mean_abs(mod) if kind == "hidden_rel_l1"
+                              else mod.square().flatten(1).mean(1).sqrt())
+            elif kind == "residual_rel_l1":
+                values.append(_mean_abs(r1))
+            else:  # residual_tensor_rel_l1: distance from the residual of the last compute
+                values.append(_mean_abs(r1 - reference) / (_mean_abs(reference) + EPS))
+        signals = torch.stack(values, dim=1) if values else x.new_zeros((x.shape[0], 0))
+        return hidden, tuple(ctx), signals, r1 if r1 is not None else x.new_zeros(())
+
+
+class Middle(_Stage):
+    """Blocks [Fn, N - Bn): what a reuse step replaces with the cached residual."""
+
+    embeddings = False
+
+    def __init__(self, model, plan: SignalPlan):
+        super().__init__(model)
+        self.start, self.stop = plan.fn_blocks, model.num_blocks - plan.bn_blocks
+
+    def blocks_used(self):
+        return set(range(self.start, self.stop))
+
+    def forward(self, hidden, ctx):
+        ctx = self._ctx(ctx)
+        for i in range(self.start, self.stop):
+            hidden = self.model.block(i, hidden, ctx)
+        return hidden
+
+
+class Tail(_Stage):
+    """Blocks [N - Bn, N), head and unpatchify, for one token grid."""
+
+    def __init__(self, model, plan: SignalPlan, grid: tuple[int, int, int]):
+        super().__init__(model)
+        self.start, self.grid = model.num_blocks - plan.bn_blocks, tuple(grid)
+
+    def blocks_used(self):
+        return set(range(self.start, self.model.num_blocks))
+
+    def forward(self, hidden, ctx):
+        ctx = self._ctx(ctx)
+        for i in range(self.start, self.model.num_blocks):
+            hidden = self.model.block(i, hidden, ctx)
+        return self.model.final(hidden, ctx, self.grid)

@@ -1,0 +1,190 @@
+"""Attention lowerings for the JAX backend, registered as implementations of `ops.attention`.
+
+`dot_product_attention` goes through `jax.nn.dot_product_attention` (CPU/GPU, and the
+reference-like fallback); `splash_attention` through the Pallas TPU splash kernel. Both take
+and return torch-facing (torchax) tensors, so the models call them through `ops.attention`
+unchanged, inside torchax-jitted programs (tracers) or eagerly.
+
+Layout legend: B batch, L query tokens, S key tokens, N heads, H head dim; the `p` suffix
+(`Lp`, `Sp`) marks a length padded up to a whole number of kernel blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from modules import ops
+from tpu.torchax_compat import import_torchax
+
+torchax = import_torchax()
+_interop = torchax.interop
+
+# The stock-kernel block sizes of the HunyuanVideo TPU scripts (tpu_notes 1.6); each is an upper
+# bound, lowered for short sequences so that padding stays under one 128-row tile per block.
+BLOCK_Q = 2048
+BLOCK_KV = 2048
+BLOCK_KV_COMPUTE = 1024
+_LANES = 128  # splash blocks must be multiples of the TPU lane count
+
+
+# --- jax.nn.dot_product_attention ---------------------------------------------------------------
+
+@jax.jit
+def _dot_product_attention_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS):
+    # A general boolean mask, not key_value_seq_lengths: the latter keeps a prefix of the keys,
+    # and HunyuanVideo's valid keys are [image | vision | byT5 | text], each with its own padding.
+    mask_B11S = None if key_mask_BS is None else key_mask_BS.astype(jnp.bool_)[:, None, None, :]
+    out = jax.nn.dot_product_attention(q_BLNH, k_BSNH, v_BSNH, mask=mask_B11S)
+    return out.astype(q_BLNH.dtype)
+
+
+def dot_product_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.Tensor,
+                          key_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """`ops.attention` through `jax.nn.dot_product_attention` (XLA; the CPU/GPU lowering)."""
+    q, k, v, key_mask = _to_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS)
+    return _interop.torch_view(_dot_product_attention_jax(q, k, v, key_mask))
+
+
+# --- splash attention (Pallas TPU kernel) -------------------------------------------------------
+
+class SplashPlan(NamedTuple):
+    """Block sizes the kernel runs with and the lengths the sequences are padded to."""
+
+    block_q: int
+    block_kv: int
+    block_kv_compute: int
+    padded_q_len: int
+    padded_kv_len: int
+
+
+def splash_plan(q_len: int, kv_len: int, *, block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
+                block_kv_compute: int = BLOCK_KV_COMPUTE) -> SplashPlan:
+    """Blocks no larger than asked, sized so the padded lengths exceed the true ones by little.
+
+    A sequence needing n blocks of the largest size is split into n equal blocks rounded up to
+    a multiple of 128 (of block_kv_compute for keys), e.g. 3000 queries -> 2 x 1536, not 2 x 2048.
+    """
+    for name, size in (("block_q", block_q), ("block_kv", block_kv),
+                       ("block_kv_compute", block_kv_compute)):
+        if size <= 0 or size % _LANES:
+            raise ValueError(f"{name}={size} must be a positive multiple of {_LANES} "
+                             "(the splash kernel tiles sequences by TPU lanes)")
+    if block_kv % block_kv_compute:
+        raise ValueError(f"block_kv={block_kv} must be a multiple of block_kv_compute="
+                         f"{block_kv_compute}; e.g. 2048 and 1024")
+    if q_len <= 0 or kv_len <= 0:
+        raise ValueError(f"empty sequence: q_len={q_len}, kv_len={kv_len}")
+    kv_compute = min(block_kv_compute, _round_up(kv_len, _LANES))
+    bq, padded_q = _even_blocks(q_len, block_q, _LANES)
+    bkv, padded_kv = _even_blocks(kv_len, block_kv, kv_compute)
+    return SplashPlan(bq, bkv, kv_compute, padded_q, padded_kv)
+
+
+def _even_blocks(length: int, largest: int, granule: int) -> tuple[int, int]:
+    count = -(-_round_up(length, granule) // largest)
+    block = _round_up(-(-length // count), granule)
+    return block, block * count
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "block_q", "block_kv", "block_kv_compute"))
+def _splash_attention_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS, *, interpret, block_q, block_kv,
+                          block_kv_compute):
+    batch, q_len, heads, head_dim = q_BLNH.shape
+    kv_len = k_BSNH.shape[1]
+    plan = splash_plan(q_len, kv_len, block_q=block_q, block_kv=block_kv,
+                       block_kv_compute=block_kv_compute)
+    lp, sp = plan.padded_q_len, plan.padded_kv_len
+
+    # The kernel has no scale argument: scale q (in fp32, then back to q's dtype).
+    q_scaled = (q_BLNH.astype(jnp.float32) / math.sqrt(head_dim)).astype(q_BLNH.dtype)
+    q_BNLpH = _pad_axis(q_scaled.transpose(0, 2, 1, 3), 2, lp)
+    k_BNSpH = _pad_axis(k_BSNH.transpose(0, 2, 1, 3), 2, sp)
+    v_BNSpH = _pad_axis(v_BSNH.transpose(0, 2, 1, 3), 2, sp)
+
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([splash.FullMask((lp, sp))] * heads),
+        block_sizes=splash.BlockSizes(block_q=plan.block_q, block_kv=plan.block_kv,
+                                      block_kv_compute=plan.block_kv_compute),
+        head_shards=1, q_seq_shards=1, interpret=interpret)
+
+    if key_mask_BS is None and sp == kv_len:
+        out_BNLpH = jax.vmap(kernel)(q_BNLpH, k_BNSpH, v_BNSpH)
+    else:
+        # Exact padding: every query (id 0) attends only to keys with id 0, i.e. valid keys;
+        # masked and block-fill keys get id 1. Padded query rows are sliced off below.
+        valid_BS = (jnp.ones((batch, kv_len), jnp.bool_) if key_mask_BS is None
+                    else key_mask_BS.astype(jnp.bool_))
+        kv_ids_BSp = _pad_axis(jnp.where(valid_BS, 0, 1).astype(jnp.int32), 1, sp, value=1)
+        q_ids_BLp = jnp.zeros((batch, lp), jnp.int32)
+        out_BNLpH = jax.vmap(kernel)(q_BNLpH, k_BNSpH, v_BNSpH,
+                                     segment_ids=splash.SegmentIds(q=q_ids_BLp, kv=kv_ids_BSp))
+    return out_BNLpH[:, :, :q_len].transpose(0, 2, 1, 3).astype(q_BLNH.dtype)
+
+
+def _pad_axis(x, axis: int, length: int, value=0):
+    if x.shape[axis] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def splash_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.Tensor,
+                     key_mask_BS: torch.Tensor | None = None, *, interpret: bool = False,
+                     block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
+                     block_kv_compute: int = BLOCK_KV_COMPUTE) -> torch.Tensor:
+    """`ops.attention` through the Pallas TPU splash kernel, vmapped over batch.
+
+    Block sizes are upper bounds (multiples of 128; see `splash_plan`). Every query row must
+    keep at least one valid key (the `ops.attention` contract): a row with none would average
+    over the padding instead of over all keys. Forward only (no backward block sizes).
+    `interpret=True` runs the kernel in the Pallas interpreter, e.g. on CPU for tests.
+    """
+    q, k, v, key_mask = _to_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS)
+    out = _splash_attention_jax(q, k, v, key_mask, interpret=interpret, block_q=block_q,
+                                block_kv=block_kv, block_kv_compute=block_kv_compute)
+    return _interop.torch_view(out)
+
+
+def _splash_attention_interpret(q_BLNH, k_BSNH, v_BSNH, key_mask_BS=None):
+    return splash_attention(q_BLNH, k_BSNH, v_BSNH, key_mask_BS, interpret=True)
+
+
+# --- registration ------------------------------------------------------------------------------
+
+IMPLEMENTATIONS = {
+    "jax_dpa": dot_product_attention,
+    "splash": splash_attention,
+    "splash_interpret": _splash_attention_interpret,
+}
+
+
+def install() -> None:
+    """Register the lowerings as implementations of op "attention" (idempotent)."""
+    for name, fn in IMPLEMENTATIONS.items():
+        ops.register("attention", name, fn)
+
+
+def default_attention() -> str:
+    """The lowering to select on this JAX backend: splash on TPU, XLA elsewhere."""
+    return "splash" if jax.default_backend() == "tpu" else "jax_dpa"
+
+
+def _to_jax(*tensors):
+    for t in tensors:
+        if t is not None and not isinstance(t, torchax.tensor.Tensor | torchax.view.View):
+            raise TypeError(f"expected torchax tensors (got {type(t).__name__}); move inputs "
+                            "with env.to_xla(...) or t.to('jax') inside `with env:`, or select "
+                            "a torch implementation of ops.attention for CPU tensors")
+    return _interop.jax_view(tensors)

@@ -1,0 +1,193 @@
+"""The JAX backend: the stages of `sampling.stages` jitted through torchax, weights as arguments.
+
+One jax.jit program per stage (probe, middle, tail) and input shape. The weights are the first
+argument, never constants baked into the program, so the two Wan2.2 experts share every compiled
+program and a new checkpoint needs no recompile. Nothing is donated: the cached residual and the
+hidden state it is added to live on across steps. Between programs the loop holds plain jax
+arrays; the helpers it needs (residual add/sub, scheduler combinations, frame write-back) are small
+jitted functions, so the loop itself runs no eager op and compiles nothing after warm-up.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from modules import ops
+from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape
+
+from . import attention
+from .compile import compile_counts
+from .torchax_compat import import_torchax
+
+
+@jax.jit
+def _add(a, b):
+    return jax.tree.map(jnp.add, a, b)
+
+
+@jax.jit
+def _sub(a, b):
+    return jax.tree.map(jnp.subtract, a, b)
+
+
+@jax.jit
+def _lincomb(weights, *xs):
+    out = weights[0] * xs[0].astype(jnp.float32)
+    for i in range(1, len(xs)):
+        out = out + weights[i] * xs[i].astype(jnp.float32)
+    return out
+
+
+@jax.jit
+def _replace_first_frame(x, frame):
+    return x.at[:, :, :1].set(frame.astype(x.dtype))
+
+
+def _leaves(x):
+    return jax.tree.leaves(x)
+
+
+class JaxOps:
+    """TensorOps for jax arrays and tuples of them (HunyuanVideo's hidden pair)."""
+
+    def __init__(self):
+        self.host = jax.devices("cpu")[0]
+
+    def add(self, a, b):
+        return _add(a, b)
+
+    def sub(self, a, b):
+        return _sub(a, b)
+
+    def shape(self, x):
+        return tuple(tuple(leaf.shape) for leaf in _leaves(x))
+
+    def dtype(self, x):
+        return tuple(leaf.dtype for leaf in _leaves(x))
+
+    def device(self, x):
+        return tuple(frozenset(leaf.devices()) for leaf in _leaves(x))
+
+    def move(self, x, device):
+        return jax.device_put(x, device)
+
+    def cast(self, x, dtype):
+        leaves, tree = jax.tree.flatten(x)
+        return jax.tree.unflatten(tree, [leaf.astype(d) for leaf, d in zip(leaves, dtype, strict=True)])
+
+    def can_cast(self, src, dst):
+        return len(src) == len(dst) and all(jnp.issubdtype(d, jnp.floating) for d in (*src, *dst))
+
+    def is_oom(self, exc):
+        return "RESOURCE_EXHAUSTED" in str(exc) or isinstance(exc, MemoryError)
+
+    def memory_fraction(self):
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit")
+        return stats["bytes_in_use"] / limit if limit and "bytes_in_use" in stats else None
+
+
+class JaxBackend:
+    """Runs one model family's stages as jitted JAX programs.
+
+    models: expert -> torch module (same architecture); their weights move to the device once.
+    attention: an implementation name of `ops.attention` used while tracing (default: splash on
+    TPU, jax.nn.dot_product_attention elsewhere).
+    """
+
+    def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None):
+        self.torchax = import_torchax()
+        self.env = self.torchax.default_env()
+        attention.install()
+        self.attention = attention_impl or attention.default_attention()
+        self.plan = plan
+        self.template = next(iter(models.values()))
+        blocks = self.template.num_blocks
+        if plan.fn_blocks + plan.bn_blocks > blocks:
+            raise ValueError(f"probe blocks ({plan.fn_blocks}) + tail blocks ({plan.bn_blocks}) "
+                             f"exceed the model's {blocks} blocks")
+        self.params = {expert: self._weights(model) for expert, model in models.items()}
+        self.ops = JaxOps()
+        self._programs = None
+
+    def _weights(self, model):
+        with torch.no_grad():
+            return {f"model.{name}": self.env.t2j_copy(p.detach())
+                    for name, p in model.named_parameters()}
+
+    # --- programs ------------------------------------------------------------------------
+
+    def _jit(self, stage):
+        """(jitted stage, the names of the weights it takes). Weights a stage does not read stay
+        out of its arguments; they are bound to meta tensors while tracing, so a stage that read
+        one after all would fail loudly at warm-up instead of baking a constant in."""
+        env, impl = self.env, self.attention
+        names = [n for n, _ in stage.named_parameters() if stage.uses_parameter(n)]
+        absent = {n: torch.empty(p.shape, dtype=p.dtype, device="meta")
+                  for n, p in stage.named_parameters() if not stage.uses_parameter(n)}
+
+        def traced(params, *args):
+            with env, torch.no_grad(), ops.use(attention=impl):
+                return torch.func.functional_call(stage, {**absent, **params}, args)
+
+        return jax.jit(self.torchax.interop.jax_view(traced)), names
+
+    def prepare(self, cond_names, static: dict, latent_shape) -> None:
+        """Build the stage programs for one input shape and condition set (compiled on first call)."""
+        model, plan = self.template, self.plan
+        grid = model.grid(latent_shape)
+        self.cond_names = tuple(cond_names)
+        self.rope = tuple(self.put(r) for r in model.rope(grid))
+        self.zero_reference = jnp.zeros(reference_shape(model, latent_shape[0], grid, plan),
+                                        jnp.float32)
+        stages = (Probe(model, plan, self.cond_names, static), Middle(model, plan),
+                  Tail(model, plan, grid))
+        self._programs, self._weights_of = [], []
+        for stage in stages:
+            program, names = self._jit(stage)
+            self._programs.append(program)
+            self._weights_of.append({e: {n: p[n] for n in names} for e, p in self.params.items()})
+
+    def programs(self):
+        """name -> jitted program, for compile inspection (`_cache_size()`)."""
+        return dict(zip(("probe", "middle", "tail"), self._programs, strict=True))
+
+    # --- what the loop calls --------------------------------------------------------------
+
+    def put(self, tensor: torch.Tensor):
+        if tensor.dtype == torch.bfloat16:  # numpy has no bf16: go through torchax's mapping
+            return self.env.t2j_copy(tensor.contiguous())
+        return jax.device_put(tensor.detach().cpu().numpy())  # a transfer, no eager op
+
+    def get(self, x) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32)).copy())
+
+    def sync(self, x) -> None:
+        jax.block_until_ready(x)
+
+    def probe(self, expert, x, t, conds, reference):
+        ref = self.zero_reference if reference is None else reference
+        args = (x, t, *self.rope, ref, *(conds[n] for n in self.cond_names))
+        return self._programs[0](self._weights_of[0][expert], *args)
+
+    def middle(self, expert, hidden, ctx):
+        return self._programs[1](self._weights_of[1][expert], hidden, ctx)
+
+    def tail(self, expert, hidden, ctx):
+        return self._programs[2](self._weights_of[2][expert], hidden, ctx)
+
+    def read_signals(self, signals):
+        return np.asarray(signals).tolist()
+
+    def lincomb(self, terms):
+        weights = np.asarray([w for w, _ in terms], np.float32)
+        return _lincomb(weights, *(x for _, x in terms))
+
+    def replace_first_frame(self, x, frame):
+        return _replace_first_frame(x, frame)
+
+    def compile_counts(self):
+        return compile_counts()

@@ -1,0 +1,80 @@
+"""Compile discipline: count what JAX compiles, and keep compiled programs across processes.
+
+The counter listens to jax.monitoring events, so it sees every program JAX lowers: our stage
+programs, the small helpers and any stray eager op. A lowering happens even when the persistent
+cache then supplies the executable, so `lowered` counts compiles the way a user means it
+("this shape was traced and compiled in this process"); `cache_hits` says how many of those the
+persistent cache served.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import jax
+
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dit-feature-cache", "jax")
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    lowered: int = 0
+    backend: int = 0
+    cache_hits: int = 0
+
+    def __sub__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.lowered - other.lowered, self.backend - other.backend,
+                             self.cache_hits - other.cache_hits)
+
+
+class _Counter:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = {LOWER_EVENT: 0, BACKEND_EVENT: 0, HIT_EVENT: 0}
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, event, duration, **kwargs):
+        self._bump(event)
+
+    def _on_event(self, event, **kwargs):
+        self._bump(event)
+
+    def _bump(self, event):
+        if event in self._counts:
+            with self._lock:
+                self._counts[event] += 1
+
+    def snapshot(self) -> CompileCounts:
+        with self._lock:
+            c = self._counts
+            return CompileCounts(c[LOWER_EVENT], c[BACKEND_EVENT], c[HIT_EVENT])
+
+
+_COUNTER: _Counter | None = None
+
+
+def compile_counts() -> CompileCounts:
+    """Totals since the counter was installed (installed on first call)."""
+    global _COUNTER
+    if _COUNTER is None:
+        _COUNTER = _Counter()
+    return _COUNTER.snapshot()
+
+
+def enable_compile_cache(directory: str | None) -> str | None:
+    """Turn the persistent compilation cache on (None: leave it off). Returns the directory."""
+    if not directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    # Cache every program, however small or fast to compile: warm-up is the cost we remove.
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    return directory
