@@ -26,10 +26,11 @@ from .fidelity import fidelity
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from .run import make_sample, sample_once
 from .schedulers import SOLVERS, SchedulerError
-from .stage_io import EMBEDDINGS, StageFileError, read_stage1, write_stage2
+from .stage_io import EMBEDDINGS, StageFileError, read_config, read_stage1, write_stage2
 from .stages import SignalPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_SEED = 42
 
 
 class UsageError(ValueError):
@@ -43,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output_dir", help="where stage2_latents.safetensors goes (default: "
                    "--input_dir, else ./stage_outputs)")
     g = parser.add_argument_group("model and sampling (defaults: the model's, see --model)")
-    g.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES),
-                   help=f"named pipeline (default {DEFAULT_PIPELINE}, tiny random weights)")
+    g.add_argument("--model", help=f"named pipeline, one of {', '.join(PIPELINES)} (default: the "
+                   f"input config's `model` or `transformer_version`, else {DEFAULT_PIPELINE}, "
+                   "tiny random weights)")
     g.add_argument("--model_path", help="checkpoint (file or folder); Wan2.2 I2V-A14B: the folder "
                    "holding high_noise_model/ and low_noise_model/")
     g.add_argument("--dtype", choices=tuple(DTYPES), help="weights (default bf16 with --model_path, "
@@ -56,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--guidance_scale", help="CFG scale; 'low,high' for Wan2.2 I2V-A14B experts")
     g.add_argument("--sample_solver", choices=SOLVERS)
     g.add_argument("--sample_shift", type=float)
-    g.add_argument("--seed", type=int, default=42, help="noise (and synthetic inputs) seed")
+    g.add_argument("--seed", type=int, help=f"noise (and synthetic inputs) seed (default: the "
+                   f"input config's, else {DEFAULT_SEED})")
     g = parser.add_argument_group("backend")
     g.add_argument("--attention", help="ops.attention implementation while tracing (default: "
                    "splash on TPU, jax_dpa elsewhere)")
@@ -89,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _guidance(text, pipe):
     if text is None:
         return None
+    if isinstance(text, list | tuple):  # a (low, high) pair read back from a config file
+        text = ",".join(str(v) for v in text)
     try:
         values = tuple(float(v) for v in str(text).split(","))
     except ValueError:
@@ -101,16 +106,35 @@ def _guidance(text, pipe):
     return values[0]
 
 
+def _pipeline_name(args, stage1: dict) -> str:
+    if args.model is not None:
+        return args.model
+    if "model" in stage1:
+        return str(stage1["model"])
+    if "transformer_version" in stage1:  # the HunyuanVideo-1.5 TPU port's stage 1
+        return f"hunyuanvideo-1.5-{stage1['transformer_version']}"
+    return DEFAULT_PIPELINE
+
+
 def resolve(args) -> dict:
     """Everything the run needs, checked, before any model or device work."""
-    pipe = get_pipeline(args.model)
+    stage1 = {}
+    if args.input_dir is not None:
+        if not os.path.isdir(args.input_dir):
+            raise StageFileError(f"--input_dir {args.input_dir} is not a directory")
+        stage1 = read_config(args.input_dir)
+    name = _pipeline_name(args, stage1)
+    if name not in PIPELINES:
+        raise UsageError(f"unknown model {name!r}" + ("" if args.model else " (from the input "
+                         "config)") + f"; expected one of {', '.join(PIPELINES)}")
+    pipe = get_pipeline(name)
     config = config_from_args(args)
     if config.cfg_mode == "fused":
         raise UsageError("--cfg_mode fused (both CFG branches in one call) is not wired into the "
                          "stage-2 loop yet; use cond_authoritative, separate or shared_diff")
     if args.sp_size != 1:
         raise UsageError("--sp_size > 1 arrives with the sequence-parallel issue; use 1")
-    steps = args.num_inference_steps or pipe.steps
+    steps = args.num_inference_steps or stage1.get("num_inference_steps") or pipe.steps
     if steps < 1:
         raise UsageError(f"--num_inference_steps {steps}: expected >= 1")
     shift = args.sample_shift if args.sample_shift is not None else pipe.shift
@@ -120,12 +144,9 @@ def resolve(args) -> dict:
                                                            "tiny-meanflow")):
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
                          f"(or pick a tiny model: hunyuanvideo-tiny, wan-tiny-ti2v, wan-tiny-i2v)")
-    guidance = _guidance(args.guidance_scale, pipe)
-
-    stage1, tensors = {}, None
-    if args.input_dir is not None:
-        from .stage_io import read_config
-        stage1 = read_config(args.input_dir) if os.path.isdir(args.input_dir) else {}
+    guidance = _guidance(args.guidance_scale if args.guidance_scale is not None
+                         else stage1.get("guidance_scale"), pipe)
+    seed = args.seed if args.seed is not None else int(stage1.get("seed", DEFAULT_SEED))
     height = args.height or stage1.get("height") or pipe.size[0]
     width = args.width or stage1.get("width") or pipe.size[1]
     frames = args.video_length or stage1.get("video_length") or pipe.size[2]
@@ -140,10 +161,10 @@ def resolve(args) -> dict:
         tensors, stage1 = read_stage1(args.input_dir, pipe.stage1_specs(latent_shape, cfg_on, image))
     else:
         image = pipe.task == "i2v"
-        tensors = pipe.synthesize(latent_shape, cfg_on, image, args.seed)
+        tensors = pipe.synthesize(latent_shape, cfg_on, image, seed)
     output_dir = args.output_dir or args.input_dir or "stage_outputs"
     dtype = DTYPES[args.dtype or ("bf16" if args.model_path else "fp32")]
-    return dict(pipe=pipe, config=config, steps=steps, shift=shift, guidance=guidance,
+    return dict(pipe=pipe, config=config, steps=steps, seed=seed, shift=shift, guidance=guidance,
                 solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
                 size=(int(height), int(width), int(frames)), tensors=tensors, stage1=stage1,
                 image=image, output_dir=output_dir, dtype=dtype)
@@ -217,7 +238,7 @@ def run(args) -> dict:
     plan = SignalPlan.from_config(config)
     backend = JaxBackend(models, plan, attention_impl=args.attention)
     sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
-                         seed=args.seed, guidance=r["guidance"])
+                         seed=r["seed"], guidance=r["guidance"])
     common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"])
     began = time.perf_counter()
     traj = sample_once(backend, config, sample, progress=_progress(not args.no_progress),
@@ -293,7 +314,7 @@ def _write(r, latents, report, args):
     pipe, size = r["pipe"], r["size"]
     config = dict(r["stage1"])
     config.update(model=pipe.name, height=size[0], width=size[1], video_length=size[2],
-                  num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=args.seed,
+                  num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=r["seed"],
                   sample_solver=r["solver"], sample_shift=r["shift"],
                   stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
                   synthetic_inputs=args.input_dir is None, **_cache_metadata(r["config"]))

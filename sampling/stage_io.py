@@ -137,13 +137,31 @@ def write_stage(directory: str, tensors: Mapping[str, torch.Tensor], tensors_nam
             f.write("\n")
         paths = {tensors_name: os.path.join(directory, tensors_name),
                  CONFIG: os.path.join(directory, CONFIG)}
-        os.replace(tensor_tmp, paths[tensors_name])
-        os.replace(config_tmp, paths[CONFIG])
+        _replace_both(tensor_tmp, paths[tensors_name], config_tmp, paths[CONFIG])
         return paths
     finally:
         for tmp in temps:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def _replace_both(tensor_tmp, tensor_path, config_tmp, config_path):
+    """Two renames; if the second fails, the first is undone (the previous file comes back)."""
+    backup = None
+    if os.path.exists(tensor_path):
+        backup = _temporary(os.path.dirname(tensor_path), "previous")
+        os.replace(tensor_path, backup)
+    try:
+        os.replace(tensor_tmp, tensor_path)
+        os.replace(config_tmp, config_path)
+    except BaseException:
+        if os.path.exists(tensor_path):
+            os.remove(tensor_path)
+        if backup is not None:
+            os.replace(backup, tensor_path)
+        raise
+    if backup is not None:
+        os.remove(backup)
 
 
 def write_stage2(directory: str, latents: torch.Tensor, metadata: Mapping[str, object],

@@ -6,32 +6,92 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cache import ConfigError
 from cache.flags import config_from_args
+from sampling.pipelines import get_pipeline
+from sampling.stage_io import EMBEDDINGS, read_stage2, write_stage
 from stage2_transformer_flax_deepcache import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "stage2_transformer_flax_deepcache.py", *args],
-                          cwd=ROOT, capture_output=True, text=True)
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
+                           *args], cwd=cwd, capture_output=True, text=True)
 
 
-def test_main_command_resolves_the_deepcache_default():
-    out = cli("--enable_cache")
+def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path):
+    """The README's main command on the built-in tiny HunyuanVideo-1.5, in a fresh folder."""
+    out = cli("--enable_cache", "--compare", "--telemetry_json", "t.json",
+              "--compile_cache_dir", str(tmp_path / "jax-cache"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["modes"] == ["dc"] and report["computed_fraction"] == 0.5
-    assert report["config"]["deepcache"] == {"start": 11, "end": 45, "interval": 4}
+    assert "computed  25  reused  25" in out.stdout and "loop 0" in out.stdout
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["model"] == "hunyuanvideo-tiny" and report["compiles"]["loop"]["lowered"] == 0
+    assert report["branches"] == {b: {"computed": 25, "reused": 25} for b in ("cond", "uncond")}
+    assert report["compare"]["rel_l2"] > 0 and report["compare"]["psnr_db"] > 20
+    assert len(report["trace"]) == 100
+    latents, meta, config = read_stage2(str(tmp_path / "stage_outputs"))
+    assert list(latents.shape) == report["latent_shape"] and latents.dtype == torch.float32
+    assert meta["deepcache_enabled"] == "true" and meta["cache_start_step"] == "11"
+    assert config["num_inference_steps"] == 50 and config["synthetic_inputs"] is True
 
 
-def test_bad_flags_exit_nonzero_with_a_message():
-    out = cli("--teacache", "--teacache_thresh", "-1")
+def test_input_dir_pipeline_adds_stage2_fields_and_keeps_stage1(tmp_path):
+    pipe = get_pipeline("wan-tiny-ti2v")
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = pipe.synthesize(shape, True, True, seed=5)  # with a first frame: TI2V image mode
+    stage1 = {"prompt": "a cat", "model": "wan-tiny-ti2v", "guidance_scale": 4.0, "seed": 7}
+    write_stage(str(tmp_path), tensors, EMBEDDINGS, {}, stage1)
+    before = (tmp_path / EMBEDDINGS).read_bytes()
+    out = cli("--input_dir", str(tmp_path), "--num_inference_steps", "6", "--teacache",
+              "--compile_cache_dir", "none")
+    assert out.returncode == 0, out.stderr
+    latents, meta, config = read_stage2(str(tmp_path))
+    assert config["prompt"] == "a cat" and config["seed"] == 7 and config["guidance_scale"] == 4.0
+    assert config["num_inference_steps"] == 6 and config["synthetic_inputs"] is False
+    assert torch.equal(latents[:, :, :1], tensors["image_latents"])  # the first frame is kept
+    assert (tmp_path / EMBEDDINGS).read_bytes() == before  # the input is never rewritten
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing_key", "lacks negative_prompt_embeds"),
+    ("wrong_shape", "prompt_embeds has shape"),
+    ("wrong_dtype", "dtype torch.int64"),
+    ("unknown_model", "unknown model 'wan-giant'"),
+    ("bad_size", "height 100: expected a positive multiple of 32"),
+])
+def test_malformed_input_dir_stops_before_sampling_and_writes_nothing(tmp_path, case, message):
+    pipe = get_pipeline("wan-tiny-ti2v")
+    tensors = pipe.synthesize(pipe.latent_shape(*pipe.size), True, False, seed=5)
+    config = {"model": "wan-tiny-ti2v"}
+    if case == "missing_key":
+        del tensors["negative_prompt_embeds"]
+    elif case == "wrong_shape":
+        tensors["prompt_embeds"] = tensors["prompt_embeds"][..., :5]
+    elif case == "wrong_dtype":
+        tensors["prompt_embeds"] = tensors["prompt_embeds"].long()
+    elif case == "unknown_model":
+        config["model"] = "wan-giant"
+    elif case == "bad_size":
+        config["height"] = 100
+    write_stage(str(tmp_path), tensors, EMBEDDINGS, {}, config)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    out = cli("--input_dir", str(tmp_path), "--compile_cache_dir", "none")
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert out.stdout == "" and sorted(p.name for p in tmp_path.iterdir()) == listing
+
+
+def test_bad_flags_exit_nonzero_with_a_message(tmp_path):
+    out = cli("--teacache", "--teacache_thresh", "-1", cwd=tmp_path)
     assert out.returncode == 2 and "TeaCacheConfig.threshold" in out.stderr and out.stdout == ""
-    out = cli("--fb_metric", "hidden_rel_l1")
+    out = cli("--fb_metric", "hidden_rel_l1", cwd=tmp_path)
     assert out.returncode == 2 and "fbcache is not enabled" in out.stderr
+    out = cli("--model", "wan2.2-ti2v-5b", cwd=tmp_path)
+    assert out.returncode == 2 and "give --model_path" in out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def parse(*args):

@@ -1,0 +1,122 @@
+"""Stage files: round trips, the TPU port's conventions, checks, atomic writes."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from sampling import stage_io
+from sampling.pipelines import get_pipeline
+from sampling.stage_io import (
+    CONFIG,
+    EMBEDDINGS,
+    LATENTS,
+    StageFileError,
+    read_stage1,
+    read_stage2,
+    write_stage,
+    write_stage2,
+)
+
+
+def stage1_dir(tmp_path, name="hunyuanvideo-tiny", mutate=None, config=None):
+    pipe = get_pipeline(name)
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = pipe.synthesize(shape, True, pipe.task == "i2v", seed=3)
+    if mutate:
+        mutate(tensors)
+    write_stage(str(tmp_path), tensors, EMBEDDINGS, {"prompt": "a cat"},
+                config if config is not None else {"prompt": "a cat", "task_type": "t2v"})
+    return pipe, shape, tensors
+
+
+def test_stage2_round_trip_keeps_values_dtype_and_metadata(tmp_path):
+    latents = torch.randn(1, 4, 3, 4, 5).to(torch.bfloat16)
+    paths = write_stage2(str(tmp_path), latents, {"seed": 42, "deepcache_enabled": True},
+                         {"prompt": "p", "seed": 42})
+    assert set(paths) == {LATENTS, CONFIG}
+    got, meta, config = read_stage2(str(tmp_path))
+    assert got.dtype == torch.bfloat16 and torch.equal(got, latents)
+    assert meta["seed"] == "42" and meta["deepcache_enabled"] == "true"
+    assert json.loads(meta["dtype_info"]) == {"latents": "torch.bfloat16"}
+    assert config == {"prompt": "p", "seed": 42}
+    assert sorted(os.listdir(tmp_path)) == [CONFIG, LATENTS]  # no temporary left over
+
+
+def test_stage1_is_read_and_checked_against_the_pipeline(tmp_path):
+    pipe, shape, tensors = stage1_dir(tmp_path)
+    got, config = read_stage1(str(tmp_path), pipe.stage1_specs(shape, True, False))
+    assert config["task_type"] == "t2v"
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+
+
+def test_bf16_saved_as_fp32_with_dtype_info_comes_back_as_bf16(tmp_path):
+    """The Wan utils of the TPU port store bf16 embeddings as fp32 plus `dtype_info`."""
+    from safetensors.torch import save_file
+    path = tmp_path / EMBEDDINGS
+    save_file({"prompt_embeds": torch.ones(1, 3, 16)}, str(path),
+              metadata={"dtype_info": json.dumps({"prompt_embeds": "torch.bfloat16"})})
+    tensors, _ = stage_io.read_tensors(str(path))
+    assert tensors["prompt_embeds"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t.pop("negative_prompt_embeds_mask"), "lacks negative_prompt_embeds_mask"),
+    (lambda t: t.update(prompt_embeds=t["prompt_embeds"][:, :5]), "prompt_embeds has shape"),
+    (lambda t: t.update(prompt_embeds_2=t["prompt_embeds_2"].double()), "dtype torch.float64"),
+    (lambda t: t["prompt_embeds"].__setitem__((0, 0, 0), float("nan")), "NaN"),
+])
+def test_malformed_stage1_names_the_problem(tmp_path, mutate, message):
+    pipe, shape, _ = stage1_dir(tmp_path, mutate=mutate)
+    with pytest.raises(StageFileError, match=message):
+        read_stage1(str(tmp_path), pipe.stage1_specs(shape, True, False))
+
+
+def test_missing_files_and_bad_json(tmp_path):
+    with pytest.raises(StageFileError, match="not a directory"):
+        read_stage1(str(tmp_path / "nope"), {})
+    with pytest.raises(StageFileError, match=f"{CONFIG} is missing"):
+        read_stage1(str(tmp_path), {})
+    (tmp_path / CONFIG).write_text("{not json")
+    with pytest.raises(StageFileError, match="not valid JSON"):
+        read_stage1(str(tmp_path), {})
+    (tmp_path / CONFIG).write_text("[1, 2]")
+    with pytest.raises(StageFileError, match="expected a JSON object"):
+        read_stage1(str(tmp_path), {})
+    (tmp_path / CONFIG).write_text("{}")
+    with pytest.raises(StageFileError, match=f"{EMBEDDINGS} is missing"):
+        read_stage1(str(tmp_path), {})
+    (tmp_path / EMBEDDINGS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    with pytest.raises(StageFileError, match="not a readable safetensors"):
+        read_stage1(str(tmp_path), {})
+
+
+def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
+    real = os.replace
+
+    def fail_on_config(src, dst):
+        if str(dst).endswith(CONFIG):
+            raise OSError("disk full")
+        return real(src, dst)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(stage_io.os, "replace", fail_on_config)
+    with pytest.raises(OSError, match="disk full"):
+        write_stage2(str(out), torch.zeros(1, 4, 1, 2, 2), {}, {"a": 1})
+    assert list(out.iterdir()) == []
+    # a rerun that fails keeps the previous run's files, untouched
+    monkeypatch.setattr(stage_io.os, "replace", real)
+    write_stage2(str(out), torch.ones(1), {}, {"run": 1})
+    monkeypatch.setattr(stage_io.os, "replace", fail_on_config)
+    with pytest.raises(OSError):
+        write_stage2(str(out), torch.zeros(1), {}, {"run": 2})
+    latents, _, config = read_stage2(str(out))
+    assert latents.item() == 1.0 and config == {"run": 1}
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG, LATENTS]
+
+
+def test_output_path_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StageFileError, match="not a directory"):
+        write_stage2(str(tmp_path / "f"), torch.zeros(1), {}, {})
