@@ -37,6 +37,12 @@ def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path
     assert list(latents.shape) == report["latent_shape"] and latents.dtype == torch.float32
     assert meta["deepcache_enabled"] == "true" and meta["cache_start_step"] == "11"
     assert config["num_inference_steps"] == 50 and config["synthetic_inputs"] is True
+    # a second process finds every stage program in the persistent compilation cache
+    out = cli("--enable_cache", "--num_inference_steps", "4", "--telemetry_json", "t2.json",
+              "--compile_cache_dir", str(tmp_path / "jax-cache"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    compiles = json.loads((tmp_path / "t2.json").read_text())["compiles"]
+    assert compiles["warmup"]["cache_hits"] >= 3 and compiles["loop"]["lowered"] == 0
 
 
 def test_input_dir_pipeline_adds_stage2_fields_and_keeps_stage1(tmp_path):
