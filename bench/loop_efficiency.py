@@ -4,12 +4,13 @@
 
 Prints, for 54 double-stream blocks (the real depth) at a small width:
   measured speedup  = uncached loop wall time / cached loop wall time (same inputs, CFG 6.0)
-  ideal speedup     = the same ratio from a program-only replay of one step (both branches
-                      of probe, middle + residual sub or residual add, tail, issued back to back
-                      as the loop does; no gate, scheduler, CFG combination or Python loop)
+  ideal speedup     = the same ratio from a program-only replay of the same 50 steps (both
+                      branches of probe, middle + residual sub or residual add, tail, issued
+                      back to back as the loop does; no gate, scheduler, CFG combination)
   loop efficiency   = measured / ideal (what the Python loop, the gate and the host lose)
   layer-count ideal = 55 x 50 / (25 x 55 + 25 x 2) = 1.93x, the figure seed 003 compares with.
-Both loops run without per-step syncs (one sync at the end), after warm-up; best of --repeats.
+Loops and replays run without per-step syncs (one at the end), after warm-up, interleaved;
+best of --repeats each.
 """
 
 from __future__ import annotations
@@ -60,58 +61,58 @@ def main():
     common = dict(solver="euler", steps=args.steps, shift=5.0, step_sync=False)
 
     sample_once(backend, dc, sample, **common)  # warm-up: compiles every program
-    runs = {"uncached": [], "deepcache": []}
-    trajs = {}
-    for _ in range(args.repeats):  # interleaved, best of each
-        for name, config in (("uncached", CMConfig()), ("deepcache", dc)):
-            trajs[name] = sample_once(backend, config, sample, warmup_rounds=0, **common)
-            runs[name].append(trajs[name].stats.wall_seconds)
-    best = {k: min(v) for k, v in runs.items()}
+    plan_steps = sample_once(backend, dc, sample, warmup_rounds=0, **common).stats.step_computed
 
-    # Program-only replay of one step, both CFG branches issued back to back as the loop does,
-    # each step depending on the last (so on CPU the branches overlap exactly as in the loop).
+    # Program-only replay of the same step sequence: both CFG branches issued back to back as
+    # the loop does, each step depending on the last; no gate, scheduler, CFG combination or
+    # per-step Python beyond the calls themselves.
     t = backend.put(torch.tensor([500.0]))
     conds = sample.conds["cond"]
     hidden, ctx, _, _ = backend.probe(None, sample.noise, t, conds, None)
     residual = backend.ops.sub(backend.middle(None, hidden, ctx), hidden)
 
-    def call(x, kind):
+    def call(x, computes, uncached):
         h, c, _, _ = backend.probe(None, x, t, conds, None)
-        if kind == "cached":
+        if not computes:
             return backend.tail(None, backend.ops.add(h, residual), c)
         after = backend.middle(None, h, c)
-        if kind == "full":
-            backend.ops.sub(after, h)
+        if not uncached:
+            backend.ops.sub(after, h)  # the residual a computed step stores
         return backend.tail(None, after, c)
 
-    def step_time(kind, repeats=10):
+    def replay(steps, uncached):
         x = sample.noise
-        call(x, kind)
         t0 = time.perf_counter()
-        for _ in range(repeats):
-            call(x, kind)  # cond and uncond read the same latent
-            x = call(x, kind)
+        for computes in steps:
+            call(x, computes, uncached)  # cond and uncond read the same latent
+            x = call(x, computes, uncached)
         jax.block_until_ready(x)
-        return (time.perf_counter() - t0) / repeats
+        return time.perf_counter() - t0
 
-    rounds = {k: [] for k in ("uncached", "full", "cached")}
-    for _ in range(5):  # interleaved rounds, best of each: this machine is noisy
-        for kind, times in rounds.items():
-            times.append(step_time(kind))
-    prog = {k: min(v) for k, v in rounds.items()}
-    stats = trajs["deepcache"].stats
-    computed = sum(stats.step_computed)
-    reused = len(stats.step_computed) - computed
-    ideal = (args.steps * prog["uncached"]) / (computed * prog["full"] + reused * prog["cached"])
+    runs = {k: [] for k in ("uncached", "deepcache", "replay_uncached", "replay_deepcache")}
+    trajs = {}
+    for _ in range(args.repeats):  # interleaved, best of each: this machine is noisy
+        for name, config in (("uncached", CMConfig()), ("deepcache", dc)):
+            trajs[name] = sample_once(backend, config, sample, warmup_rounds=0, **common)
+            runs[name].append(trajs[name].stats.wall_seconds)
+        runs["replay_uncached"].append(replay([True] * args.steps, uncached=True))
+        runs["replay_deepcache"].append(replay(plan_steps, uncached=False))
+    best = {k: min(v) for k, v in runs.items()}
+    computed = sum(plan_steps)
+    reused = len(plan_steps) - computed
+    ideal = best["replay_uncached"] / best["replay_deepcache"]
     measured = best["uncached"] / best["deepcache"]
+    prog = {"uncached": best["replay_uncached"] / args.steps,
+            "deepcache": best["replay_deepcache"] / args.steps}
     loop_compiles = trajs["deepcache"].loop_compiles
 
     print(f"device: {jax.devices()[0].device_kind} ({os.cpu_count()} cpus), jax {jax.__version__}")
     print(f"model: HunyuanVideo-1.5 shape, 54 double blocks, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads} heads; {args.frames}x{h}x{w} = {args.frames * h * w} image tokens + "
           f"{cfg.context_len} context; CFG on (2 calls/step); {args.steps} euler steps; fp32")
-    print("program-only step, ms: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in prog.items()))
-    print(f"loop step, ms: uncached {1e3 * best['uncached'] / args.steps:.2f}")
+    print("program-only replay, ms/step: " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in prog.items()))
+    print(f"loop, ms/step: uncached {1e3 * best['uncached'] / args.steps:.2f}, deepcache "
+          f"{1e3 * best['deepcache'] / args.steps:.2f}")
     print(f"schedule: DeepCache 11/45/4 -> {computed} computed, {reused} reused steps; "
           f"loop compiles: {loop_compiles.lowered}")
     print(f"loop wall (best of {args.repeats}): uncached {best['uncached']:.3f} s, "

@@ -105,7 +105,8 @@ def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: Lo
     hidden, _, decision = gate.apply(decision, hidden)
     if not decision.skip:
         after = backend.middle(expert, hidden, ctx)
-        gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None)
+        if gate.config.enabled:  # caching off never reuses: storing a residual would be waste
+            gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None)
         hidden = after
     stats.model_calls += 1
     return backend.tail(expert, hidden, ctx), decision
