@@ -10,7 +10,7 @@ import torch
 
 from cache import CacheManager, CMConfig
 
-from .loop import Backend, Combination, LoopStats, Sample, branches, denoise, folding
+from .loop import Backend, Combination, LoopStats, Sample, denoise, folding
 from .pipelines import Pipeline
 from .schedulers import make_scheduler
 from .stages import SignalPlan
@@ -106,5 +106,3 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
 def _delta(after, before):
     return None if after is None else after - before
 
-
-__all__ = ["branches", "make_sample", "noise_for", "sample_once", "warm_up", "Trajectory"]

@@ -65,3 +65,14 @@ def hy_inputs(cfg, *, i2v: bool, batch: int = 2, seed: int = 1):
     if cfg.use_meanflow:
         kw["timestep_r"] = torch.tensor([900.0, 0.0])[:batch]
     return kw
+
+
+class Positional(torch.nn.Module):
+    """Positional tensors in, static switches bound (jit traces tensors only)."""
+
+    def __init__(self, model, names, **static):
+        super().__init__()
+        self.model, self.names, self.static = model, names, static
+
+    def forward(self, *args):
+        return self.model(**dict(zip(self.names, args, strict=True)), **self.static)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from modules import ops
-from tests.model_inputs import hy_inputs, random_model, rel_err, wan_inputs
+from tests.model_inputs import Positional, hy_inputs, random_model, rel_err, wan_inputs
 from tpu import attention
 from tpu.torchax_compat import import_torchax
 
@@ -133,27 +133,16 @@ def test_install_is_idempotent_and_leaves_defaults(registry_restored):
     assert attention.default_attention() == "jax_dpa"  # CPU here; "splash" on a TPU
 
 
-class _Positional(torch.nn.Module):
-    """Positional tensors in, static switches bound (jit traces tensors only)."""
-
-    def __init__(self, model, names, **static):
-        super().__init__()
-        self.model, self.names, self.static = model, names, static
-
-    def forward(self, *args):
-        return self.model(**dict(zip(self.names, args, strict=True)), **self.static)
-
-
 def _wan_case():
     wan = random_model("wan-tiny-ti2v")
-    return _Positional(wan, ("x", "t", "context")), wan_inputs(wan.config, per_token=True)[:3]
+    return Positional(wan, ("x", "t", "context")), wan_inputs(wan.config, per_token=True)[:3]
 
 
 def _hy_case():
     hy = random_model("hunyuanvideo-tiny")
     kw = hy_inputs(hy.config, i2v=True)  # key masks [image | vision | byT5 | text] with holes
     names = ("x", "t", "text", "text_mask", "byt5", "byt5_mask", "cond", "vision")
-    return _Positional(hy, names, i2v=True), tuple(kw[n] for n in names)
+    return Positional(hy, names, i2v=True), tuple(kw[n] for n in names)
 
 
 @pytest.mark.parametrize("model_case, impl", [

@@ -7,7 +7,7 @@ import torch
 
 from modules.layers import ModelConfigError
 from modules.registry import MODEL_NAMES, build_model, get_config
-from tests.model_inputs import hy_inputs, random_model, rel_err, wan_inputs
+from tests.model_inputs import Positional, hy_inputs, random_model, rel_err, wan_inputs
 
 
 def test_wan_forward_is_the_stages_in_order():
@@ -137,22 +137,12 @@ def test_models_trace_under_torchax():
 
     names = ("x", "t", "text", "text_mask", "byt5", "byt5_mask", "cond", "vision")
 
-    class Call(torch.nn.Module):
-        """Positional tensors in, static switches bound (jit traces tensors only)."""
-
-        def __init__(self, model, names, **static):
-            super().__init__()
-            self.model, self.names, self.static = model, names, static
-
-        def forward(self, *args):
-            return self.model(**dict(zip(self.names, args, strict=True)), **self.static)
-
     wan = random_model("wan-tiny-ti2v")
     wan_args = wan_inputs(wan.config, per_token=True)[:3]
     hy = random_model("hunyuanvideo-tiny")
     kw = hy_inputs(hy.config, i2v=True)
-    cases = ((Call(wan, ("x", "t", "context")), wan_args),
-             (Call(hy, names, i2v=True), tuple(kw[n] for n in names)))
+    cases = ((Positional(wan, ("x", "t", "context")), wan_args),
+             (Positional(hy, names, i2v=True), tuple(kw[n] for n in names)))
     for module, args in cases:
         with torch.no_grad():
             want = module(*args)
