@@ -303,6 +303,15 @@ def _official_name(family: Family, key: str, layout: str) -> str:
     return next(iter(from_layout(family.name, {key: torch.empty(0, device="meta")}, layout)))
 
 
+def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast a model's weights to `dtype` in place, keeping the fp32 islands a load keeps."""
+    family = family_of(model.config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = _cast(p.data, family, name, dtype)
+    return model
+
+
 def _cast(value: torch.Tensor, family: Family, official_key: str, dtype: torch.dtype | None):
     if dtype is None or not value.is_floating_point():
         return value

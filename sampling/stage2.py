@@ -18,7 +18,7 @@ import torch
 
 from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
-from modules.checkpoint import CheckpointError, load_model
+from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
 from modules.registry import build_model
 
@@ -185,7 +185,7 @@ def load_models(pipe, model_path, dtype, seed: int = 0) -> dict:
     for i, (expert, name) in enumerate(pipe.experts):
         if model_path is None:
             torch.manual_seed(seed + i)
-            models[expert] = build_model(name).to(dtype)
+            models[expert] = cast_model(build_model(name), dtype)
         else:
             sub = pipe.checkpoint_dirs.get(expert)
             path = os.path.join(model_path, sub) if sub else model_path

@@ -123,3 +123,17 @@ def test_aliases_must_agree():
     with pytest.raises(ConfigError, match="different values"):
         parse("--teacache", "--teacache_warmup", "1", "--fb_warmup", "2")
     assert parse("--teacache", "--teacache_warmup", "2", "--fb_warmup", "2").warmup == 2
+
+
+def test_bf16_run_keeps_fp32_islands_and_writes_bf16_latents(tmp_path):
+    from modules.checkpoint import cast_model
+    from modules.registry import build_model
+    model = cast_model(build_model("wan-tiny-i2v"), torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["time_embedding.0.weight"] == torch.float32
+    assert dtypes["blocks.0.self_attn.q.weight"] == torch.bfloat16
+    out = cli("--model", "wan-tiny-i2v", "--dtype", "bf16", "--num_inference_steps", "6",
+              "--compile_cache_dir", "none", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    latents, meta, _ = read_stage2(str(tmp_path / "stage_outputs"))
+    assert latents.dtype == torch.bfloat16 and torch.isfinite(latents.float()).all()
