@@ -20,6 +20,20 @@ from .pipelines import Pipeline
 from .stages import SignalPlan
 
 
+@dataclass(frozen=True)
+class CompileCounts:
+    """Programs compiled: `lowered` traced and lowered in this process, `backend` compiled by the
+    backend compiler, `cache_hits` of those served by a persistent cache."""
+
+    lowered: int = 0
+    backend: int = 0
+    cache_hits: int = 0
+
+    def __sub__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.lowered - other.lowered, self.backend - other.backend,
+                             self.cache_hits - other.cache_hits)
+
+
 class Backend(Protocol):
     """What the loop needs from a backend (JAX through torchax, or torch)."""
 
@@ -34,7 +48,9 @@ class Backend(Protocol):
     def read_signals(self, signals) -> list[list[float]]: ...  # [B][K] floats (a sync)
     def lincomb(self, terms) -> Any: ...  # sum(w * x) in fp32
     def replace_first_frame(self, x, frame): ...
-    def compile_counts(self): ...  # cumulative counts with a `-` (None: nothing compiles)
+    def compile_counts(self) -> CompileCounts | None: ...  # cumulative (None: nothing compiles)
+    def activate(self, expert) -> None: ...  # the expert about to run (model offload)
+    def device_name(self) -> str: ...
 
 
 @dataclass
@@ -131,6 +147,7 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
     for i, t in enumerate(timesteps):
         began = time.perf_counter()
         expert = pipe.expert_at(t)
+        backend.activate(expert)
         g = pipe.guidance_for(expert, sample.guidance)
         t_dev = t_inputs[i]
         per_step = {"timestep_r": r_inputs[i]} if meanflow else {}

@@ -48,7 +48,8 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     conds = dict(sample.conds["cond"])
     if getattr(pipe.config, "use_meanflow", False):
         conds["timestep_r"] = backend.put(torch.tensor([0.0]))
-    expert = pipe.experts[0][0]  # the experts share their programs
+    expert = pipe.experts[0][0]  # the JAX experts share their programs
+    backend.activate(expert)
     hidden, ctx, signals, r1 = backend.probe(expert, sample.noise, t, conds, None)
     if plan.kinds:
         backend.read_signals(signals)
@@ -98,6 +99,7 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
     warm_seconds = time.perf_counter() - began
     latents, stats = denoise(backend, gate, plan, scheduler.fresh(), sample, progress=progress,
                              step_sync=step_sync)
+    getattr(backend, "release", lambda: None)()
     after = backend.compile_counts()
     return Trajectory(latents, stats, gate, _delta(warmed, before), _delta(after, warmed),
                       warm_seconds)

@@ -9,6 +9,7 @@ comparison) -> write stage2_latents.safetensors and generation_config.json atomi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ import torch
 
 from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
+from modules import ops
 from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
 from modules.registry import build_model
@@ -61,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help=f"noise (and synthetic inputs) seed (default: the "
                    f"input config's, else {DEFAULT_SEED})")
     g = parser.add_argument_group("backend")
+    g.add_argument("--backend", choices=("jax", "torch"), default="jax",
+                   help="jax (torchax programs; TPU, GPU, CPU) or torch (CUDA, Ascend NPU, CPU)")
+    g.add_argument("--device", help="torch backend: cuda, npu or cpu (default: the first present)")
+    g.add_argument("--torch_compile", action="store_true",
+                   help="torch backend: torch.compile each stage (the gate stays outside)")
+    g.add_argument("--offload_model", action="store_true",
+                   help="torch backend: keep weights on the host until their expert runs; cached "
+                        "residuals then live on the host too (unless --cache_offload says otherwise)")
     g.add_argument("--attention", help="ops.attention implementation while tracing (default: "
                    "splash on TPU, jax_dpa elsewhere)")
     g.add_argument("--warmup_steps", type=int, default=1,
@@ -132,6 +142,11 @@ def resolve(args) -> dict:
     if config.cfg_mode == "fused":
         raise UsageError("--cfg_mode fused (both CFG branches in one call) is not wired into the "
                          "stage-2 loop yet; use cond_authoritative, separate or shared_diff")
+    if args.backend != "torch" and (args.torch_compile or args.offload_model or args.device):
+        raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
+    if args.offload_model and args.cache_offload is None:
+        # Seed 000: with the model offloaded, residuals wait on the host and move on use.
+        config = dataclasses.replace(config, offload="cpu")
     if args.sp_size != 1:
         raise UsageError("--sp_size > 1 arrives with the sequence-parallel issue; use 1")
     steps = args.num_inference_steps or stage1.get("num_inference_steps") or pipe.steps
@@ -225,18 +240,38 @@ def layer_ideal(num_blocks: int, computed: int, reused: int, fn: int, bn: int) -
     return (computed + reused) * full / (computed * full + reused * (fn + bn + 1))
 
 
-def run(args) -> dict:
-    """The whole stage; returns the report printed and written as telemetry."""
+def _torch_device(name):
+    if name:
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    npu = getattr(torch, "npu", None)
+    return "npu" if npu is not None and npu.is_available() else "cpu"
+
+
+def make_backend(args, models, plan):
+    """The backend the flags ask for. The torch path never imports torchax: torchax renames
+    torch's private device to 'jax', which breaks torch.compile in the same process."""
+    if args.backend == "torch":
+        from torch_backend.backend import TorchBackend
+        if args.attention:
+            ops.select(attention=args.attention)
+        return TorchBackend(models, plan, _torch_device(args.device), compile=args.torch_compile,
+                            offload_model=args.offload_model)
     from tpu.backend import JaxBackend
     from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
+    cache_dir = args.compile_cache_dir if args.compile_cache_dir is not None else DEFAULT_CACHE_DIR
+    enable_compile_cache(None if cache_dir.lower() == "none" else cache_dir)
+    return JaxBackend(models, plan, attention_impl=args.attention)
 
+
+def run(args) -> dict:
+    """The whole stage; returns the report printed and written as telemetry."""
     r = resolve(args)
     pipe, config = r["pipe"], r["config"]
     models = load_models(pipe, args.model_path, r["dtype"])
-    cache_dir = args.compile_cache_dir if args.compile_cache_dir is not None else DEFAULT_CACHE_DIR
-    enable_compile_cache(None if cache_dir.lower() == "none" else cache_dir)
     plan = SignalPlan.from_config(config)
-    backend = JaxBackend(models, plan, attention_impl=args.attention)
+    backend = make_backend(args, models, plan)
     sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
                          seed=r["seed"], guidance=r["guidance"])
     common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"])
@@ -272,7 +307,7 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         "model": r["pipe"].name, "steps": r["steps"], "solver": r["solver"], "shift": r["shift"],
         "guidance": r["guidance"] if r["guidance"] is not None else r["pipe"].guidance,
         "latent_shape": list(r["latent_shape"]), "tokens": r["pipe"].tokens(r["latent_shape"]),
-        "attention": backend.attention, "device": _device(),
+        "attention": backend.attention, "device": backend.device_name(), "backend": args.backend,
         "cache": {"modes": list(gate.config.modes), "probe_blocks": plan.fn_blocks,
                   "tail_blocks": plan.bn_blocks, "config": gate.config.to_dict()},
         "branches": {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
@@ -302,12 +337,6 @@ def mean(xs):
 
 def _ms(seconds):
     return "-" if seconds is None else f"{1000 * seconds:.1f} ms"
-
-
-def _device():
-    import jax
-    d = jax.devices()[0]
-    return f"{d.platform}:{d.device_kind}"
 
 
 def _write(r, latents, report, args):
@@ -347,9 +376,12 @@ def format_summary(report: dict) -> str:
                                                     for b, v in br.items()))
     if report["failsafes"]:
         lines.append(f"  fail-safes: {report['failsafes']}")
-    w, lp = c["warmup"] or {}, c["loop"] or {}
-    lines.append(f"compiles: warm-up {w.get('lowered')} ({c['warmup_seconds']:.1f} s, "
-                 f"{w.get('cache_hits')} from the persistent cache), loop {lp.get('lowered')}")
+    w, lp = c["warmup"], c["loop"]
+    if w is None:
+        lines.append(f"compiles: none (eager); warm-up {c['warmup_seconds']:.1f} s")
+    else:
+        lines.append(f"compiles: warm-up {w['lowered']} ({c['warmup_seconds']:.1f} s, "
+                     f"{w['cache_hits']} from the persistent cache), loop {lp['lowered']}")
     lines.append(f"time: loop {t['loop_seconds']:.2f} s; full step {_ms(t['full_step_seconds'])} "
                  f"x{t['full_steps']}, cached step {_ms(t['cached_step_seconds'])} x{t['cached_steps']}"
                  f"; signal reads {t['signal_reads']}")
@@ -367,4 +399,4 @@ def format_summary(report: dict) -> str:
 
 
 ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
-          SchedulerError)
+          SchedulerError, ops.OpError)

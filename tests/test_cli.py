@@ -137,3 +137,15 @@ def test_bf16_run_keeps_fp32_islands_and_writes_bf16_latents(tmp_path):
     assert out.returncode == 0, out.stderr
     latents, meta, _ = read_stage2(str(tmp_path / "stage_outputs"))
     assert latents.dtype == torch.bfloat16 and torch.isfinite(latents.float()).all()
+
+
+def test_torch_backend_from_the_same_command(tmp_path):
+    out = cli("--backend", "torch", "--model", "wan-tiny-i2v", "--teacache", "--offload_model",
+              "--num_inference_steps", "8", "--telemetry_json", "t.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["backend"] == "torch" and report["device"] == "cpu"
+    assert report["cache"]["config"]["offload"] == "cpu"  # offloaded model: residuals on the host
+    assert set(report["experts"]) == {"high", "low"}
+    out = cli("--torch_compile", cwd=tmp_path)
+    assert out.returncode == 2 and "belong to --backend torch" in out.stderr

@@ -14,7 +14,7 @@ from sampling.run import make_sample, noise_for, sample_once
 from sampling.schedulers import make_scheduler
 from sampling.stages import SignalPlan
 from tests.model_inputs import random_model, rel_err
-from torch_backend.eager import TorchBackend
+from torch_backend.backend import TorchBackend
 from tpu.backend import JaxBackend
 
 

@@ -103,6 +103,9 @@ class JaxBackend:
         self.env = self.torchax.default_env()
         attention.install()
         self.attention = attention_impl or attention.default_attention()
+        if self.attention not in ops.implementations("attention"):
+            raise ops.OpError(f"--attention {self.attention!r}: expected one of "
+                              f"{', '.join(ops.implementations('attention'))}")
         self.plan = plan
         self.template = next(iter(models.values()))
         blocks = self.template.num_blocks
@@ -191,3 +194,10 @@ class JaxBackend:
 
     def compile_counts(self):
         return compile_counts()
+
+    def device_name(self) -> str:
+        d = jax.devices()[0]
+        return f"{d.platform}:{d.device_kind}"
+
+    def activate(self, expert) -> None:
+        """Every expert's weights stay on the device (HBM holds both A14B experts on a pod)."""

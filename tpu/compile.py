@@ -11,26 +11,16 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 
 import jax
+
+from sampling.loop import CompileCounts
 
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "dit-feature-cache", "jax")
-
-
-@dataclass(frozen=True)
-class CompileCounts:
-    lowered: int = 0
-    backend: int = 0
-    cache_hits: int = 0
-
-    def __sub__(self, other: "CompileCounts") -> "CompileCounts":
-        return CompileCounts(self.lowered - other.lowered, self.backend - other.backend,
-                             self.cache_hits - other.cache_hits)
 
 
 class _Counter:

@@ -1,0 +1,178 @@
+"""The stages of `sampling.stages` run in torch, behind the loop's Backend interface.
+
+Eager by default. `compile=True` wraps each stage (probe, middle, tail) in `torch.compile` with
+static shapes: the gate decides between the calls, so graphs break only at the gate and a step
+never recompiles (counted from dynamo's frame counter). `offload_model=True` keeps each model on
+the host until its expert runs, and moves the other expert off the device at the Wan2.2 switch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modules import ops
+from sampling.loop import CompileCounts
+from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape
+
+HOST = torch.device("cpu")  # where offloaded models wait
+
+
+def _map(fn, *xs):
+    if isinstance(xs[0], tuple):
+        return tuple(fn(*parts) for parts in zip(*xs, strict=True))
+    return fn(*xs)
+
+
+def _leaves(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+class TorchOps:
+    """TensorOps for torch tensors and tuples of them (HunyuanVideo's hidden pair)."""
+
+    def __init__(self, device="cpu"):
+        self.compute_device = torch.device(device)
+        self.host = torch.device("cpu")
+
+    def add(self, a, b):
+        return _map(torch.add, a, b)
+
+    def sub(self, a, b):
+        return _map(torch.sub, a, b)
+
+    def shape(self, x):
+        return tuple(tuple(t.shape) for t in _leaves(x))
+
+    def dtype(self, x):
+        return tuple(t.dtype for t in _leaves(x))
+
+    def device(self, x):
+        return tuple(t.device for t in _leaves(x))
+
+    def move(self, x, device):
+        device = device[0] if isinstance(device, tuple) else torch.device(device)
+        # Pinned host memory makes the way back to the device an async copy.
+        pin = device.type == "cpu" and self.compute_device.type == "cuda"
+        return _map(lambda t: t.to(device, non_blocking=True).pin_memory() if pin
+                    else t.to(device, non_blocking=True), x)
+
+    def cast(self, x, dtype):
+        if isinstance(x, tuple):
+            return tuple(t.to(d) for t, d in zip(x, dtype, strict=True))
+        return x.to(dtype[0])
+
+    def can_cast(self, src, dst):
+        return len(src) == len(dst) and all(d.is_floating_point for d in (*src, *dst))
+
+    def is_oom(self, exc):
+        return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
+    def memory_fraction(self):
+        if self.compute_device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.compute_device)
+            return 1.0 - free / total
+        return None
+
+
+def _dynamo_frames() -> int:
+    from torch._dynamo.utils import counters
+    return sum(counters["frames"].get(k, 0) for k in ("ok",))
+
+
+class TorchBackend:
+    """models: expert -> torch module; device: where the stages run (cuda, npu, cpu)."""
+
+    def __init__(self, models: dict, plan: SignalPlan, device="cpu", *, compile: bool = False,
+                 offload_model: bool = False, ops_impl: TorchOps | None = None):
+        self.models, self.plan = models, plan
+        self.device = torch.device(device)
+        self.template = next(iter(models.values()))
+        self.ops = ops_impl or TorchOps(self.device)
+        self.compile, self.offload_model = compile, offload_model
+        if self.device.type in ("cuda", "npu"):
+            ops.accelerate(self.device.type)  # SDPA/flash on CUDA, torch_npu kernels on Ascend
+        self.attention = ops.active()["attention"]
+        self.moves = 0  # model moves between host and device (offload telemetry)
+        self._on_device = set()  # with offload, the models start on the host
+        if not offload_model:
+            for expert in models:
+                self._place(expert, self.device)
+
+    def _place(self, expert, device):
+        self.models[expert].to(device)
+        self.moves += 1
+        (self._on_device.add if device == self.device else self._on_device.discard)(expert)
+
+    def activate(self, expert) -> None:
+        """With offload, only the running expert's weights are on the device."""
+        if expert in self._on_device:
+            return
+        for other in list(self._on_device):
+            self._place(other, HOST)
+        self._place(expert, self.device)
+
+    def release(self) -> None:
+        """Offload: every model back to the host at the end of sampling."""
+        if self.offload_model:
+            for expert in list(self._on_device):
+                self._place(expert, HOST)
+
+    def prepare(self, cond_names, static: dict, latent_shape) -> None:
+        grid = self.template.grid(latent_shape)
+        self.cond_names = tuple(cond_names)
+        self.rope = tuple(self.put(r) for r in self.template.rope(grid))
+        self.zero_reference = torch.zeros(
+            reference_shape(self.template, latent_shape[0], grid, self.plan), device=self.device)
+        wrap = (lambda m: torch.compile(m, dynamic=False)) if self.compile else (lambda m: m)
+        self.stages = {e: tuple(wrap(s) for s in (Probe(m, self.plan, self.cond_names, static),
+                                                    Middle(m, self.plan), Tail(m, self.plan, grid)))
+                       for e, m in self.models.items()}
+
+    def device_name(self) -> str:
+        if self.device.type == "cuda":
+            return f"cuda:{torch.cuda.get_device_name(self.device)}"
+        return str(self.device)
+
+    def put(self, tensor):
+        return tensor.to(self.device)
+
+    def get(self, x):
+        return x.float().cpu()
+
+    def sync(self, x):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def probe(self, expert, x, t, conds, reference):
+        ref = self.zero_reference if reference is None else reference
+        return self.stages[expert][0](x, t, *self.rope, ref, *(conds[n] for n in self.cond_names))
+
+    @torch.no_grad()
+    def middle(self, expert, hidden, ctx):
+        return self.stages[expert][1](hidden, ctx)
+
+    @torch.no_grad()
+    def tail(self, expert, hidden, ctx):
+        return self.stages[expert][2](hidden, ctx)
+
+    def read_signals(self, signals):
+        return signals.tolist()
+
+    def lincomb(self, terms):
+        out = None
+        for w, x in terms:
+            out = w * x.float() if out is None else out + w * x.float()
+        return out
+
+    def replace_first_frame(self, x, frame):
+        x = x.clone()
+        x[:, :, :1] = frame.to(x.dtype)
+        return x
+
+    def compile_counts(self):
+        """Frames dynamo compiled (None when eager: nothing compiles)."""
+        if not self.compile:
+            return None
+        frames = _dynamo_frames()
+        return CompileCounts(lowered=frames, backend=frames)
