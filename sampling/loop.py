@@ -50,6 +50,7 @@ class Backend(Protocol):
     def replace_first_frame(self, x, frame): ...
     def compile_counts(self) -> CompileCounts | None: ...  # cumulative (None: nothing compiles)
     def activate(self, expert) -> None: ...  # the expert about to run (model offload)
+    def release(self) -> None: ...  # sampling ended (offloaded weights go back to the host)
     def device_name(self) -> str: ...
 
 

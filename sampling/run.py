@@ -99,7 +99,7 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
     warm_seconds = time.perf_counter() - began
     latents, stats = denoise(backend, gate, plan, scheduler.fresh(), sample, progress=progress,
                              step_sync=step_sync)
-    getattr(backend, "release", lambda: None)()
+    backend.release()
     after = backend.compile_counts()
     return Trajectory(latents, stats, gate, _delta(warmed, before), _delta(after, warmed),
                       warm_seconds)

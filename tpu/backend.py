@@ -201,3 +201,6 @@ class JaxBackend:
 
     def activate(self, expert) -> None:
         """Every expert's weights stay on the device (HBM holds both A14B experts on a pod)."""
+
+    def release(self) -> None:
+        """Nothing to hand back between runs."""
