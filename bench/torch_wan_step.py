@@ -2,7 +2,7 @@
 beside diffusers' WanTransformer3DModel on the same shapes and the same random bf16 weights.
 
     python bench/torch_wan_step.py [--steps 10] [--height 480 --width 832 --frames 81]
-        [--configs none,deepcache,teacache,fbcache,diffusers] [--image] [--out PATH]
+        [--configs none,deepcache,teacache,fbcache,diffusers] [--image] [--compile] [--out PATH]
     python bench/torch_wan_step.py --device cpu --tiny --steps 4    # smoke test on wan-tiny-ti2v
 
 Ours: torch_backend.backend.TorchBackend (eager, or --compile) through sampling.run.sample_once
@@ -135,7 +135,7 @@ def cache_configs(args) -> dict[str, tuple[str, CMConfig]]:
                       CMConfig(deepcache=DeepCacheConfig(start=start, end=end, interval=interval))),
         "teacache": (f"ours, TeaCache {args.teacache_threshold}",
                      CMConfig(teacache=TeaCacheConfig(threshold=args.teacache_threshold))),
-        "fbcache": (f"ours, FBCache r1 {fb.threshold}", CMConfig(fbcache=fb)),
+        "fbcache": (f"ours, FBCache {fb.metric} {fb.threshold}", CMConfig(fbcache=fb)),
     }
 
 
@@ -297,7 +297,7 @@ def header(model, setup: dict, args, check: float | None, rows: list[Row]) -> li
         "vs diffusers (eager)",
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- command: `{shlex.join(['python', 'bench/torch_wan_step.py', *sys.argv[1:]])}`",
+        f"- command: `{shlex.join(['python', 'bench/torch_wan_step.py', *args.argv])}`",
         f"- device: {hw}; {versions}",
         f"- model: {pipe.experts[0][1]} architecture ({cfg.num_layers} blocks, dim {cfg.dim}, "
         f"ffn {cfg.ffn_dim}, {cfg.num_heads} heads), random weights (seed {args.seed}), bf16 "
@@ -348,6 +348,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, help="Markdown file to write (default bench/results/"
                     "torch_wan_step_<gpu>.md; none with --tiny)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     runs = [r.strip() for r in args.configs.split(",") if r.strip()]
     unknown = [r for r in runs if r not in RUNS]
     if unknown or not runs:
