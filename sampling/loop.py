@@ -14,7 +14,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from cache import CacheManager, Signals, TensorOps
+from cache import PAIR, CacheManager, Signals, TensorOps
 
 from .pipelines import Pipeline
 from .stages import SignalPlan
@@ -61,7 +61,7 @@ class Sample:
     pipeline: Pipeline
     noise: Any
     latent_shape: tuple
-    conds: dict  # branch -> (tensor kwargs on device)
+    conds: dict  # branch -> tensor kwargs on device; "pair": [uncond, cond] batched (fused CFG)
     guidance: Any = None  # None = the pipeline's default (a (low, high) pair for MoE)
     image: bool = False
     first_frame: Any = None  # TI2V image mode: clean frame-0 latent on device
@@ -104,20 +104,27 @@ def branches(guidance: float, cfg_compute_first: bool) -> tuple[str, ...]:
     return ("uncond", "cond") if cfg_compute_first else ("cond", "uncond")
 
 
+PAIR_ORDER = ("uncond", "cond")  # batch order of a fused CFG call
+
+
 def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: LoopStats,
                branch: str, expert, x, t, conds: dict):
-    """One model call through the gate; returns the model output (noise/velocity prediction)."""
+    """One model call through the gate; returns the model output (noise/velocity prediction),
+    or for a fused CFG call (branch PAIR) the outputs of (uncond, cond)."""
     gate.begin_step(branch, expert)
     reference = gate.probe_reference(branch) if plan.needs_reference else None
     hidden, ctx, signals_dev, r1 = backend.probe(expert, x, t, conds, reference)
-    signals = Signals()
+    signals = Signals() if branch != PAIR else {b: Signals() for b in PAIR_ORDER}
     if plan.kinds and gate.config.needs_signals:
-        values = backend.read_signals(signals_dev)[0]
+        rows = backend.read_signals(signals_dev)
         stats.signal_reads += 1
-        named = dict(zip((k for k, _ in plan.kinds), values, strict=True))
-        if plan.needs_reference and reference is None:
-            named["fbcache"] = None  # nothing to compare block 0's residual with yet
-        signals = Signals(**named)
+        per_sample = []
+        for values in rows:
+            named = dict(zip((k for k, _ in plan.kinds), values, strict=True))
+            if plan.needs_reference and reference is None:
+                named["fbcache"] = None  # nothing to compare block 0's residual with yet
+            per_sample.append(Signals(**named))
+        signals = per_sample[0] if branch != PAIR else dict(zip(PAIR_ORDER, per_sample, strict=True))
     decision = gate.decide(signals)
     hidden, _, decision = gate.apply(decision, hidden)
     if not decision.skip:
@@ -153,10 +160,15 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
         t_dev = t_inputs[i]
         per_step = {"timestep_r": r_inputs[i]} if meanflow else {}
         outs, leader = {}, None
-        for branch in branches(g, gate.config.cfg_compute_first):
-            outs[branch], decision = model_call(backend, gate, plan, stats, branch, expert, x,
-                                                t_dev, {**sample.conds[branch], **per_step})
-            leader = leader or decision
+        if "pair" in sample.conds:  # fused CFG: both branches in one batch-2 call
+            pair, leader = model_call(backend, gate, plan, stats, PAIR, expert, x, t_dev,
+                                      {**sample.conds["pair"], **per_step})
+            outs = dict(zip(PAIR_ORDER, pair, strict=True))
+        else:
+            for branch in branches(g, gate.config.cfg_compute_first):
+                outs[branch], decision = model_call(backend, gate, plan, stats, branch, expert,
+                                                    x, t_dev, {**sample.conds[branch], **per_step})
+                leader = leader or decision
         v = outs["cond"] if len(outs) == 1 else \
             Combination(((1.0 - g, outs["uncond"]), (g, outs["cond"])))  # uncond + g (cond - uncond)
         x = scheduler.step(i, v, x, lincomb)

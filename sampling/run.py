@@ -22,18 +22,23 @@ def noise_for(latent_shape, seed: int) -> torch.Tensor:
 
 
 def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
-                seed: int, guidance=None) -> Sample:
-    """Put one trajectory's inputs on the device and build the backend's programs for them."""
+                seed: int, guidance=None, fused_cfg: bool = False) -> Sample:
+    """Put one trajectory's inputs on the device and build the backend's programs for them.
+    fused_cfg: both CFG branches go in one batch-2 call, [uncond, cond] (the gate's `fused`)."""
     g_values = {pipe.guidance_for(e, guidance) for e, _ in pipe.experts}
     needed = ("cond", "uncond") if any(g != 1.0 for g in g_values) else ("cond",)
-    conds, static = {}, {}
+    if fused_cfg and (len(needed) != 2 or 1.0 in g_values):
+        raise ValueError("fused CFG needs guidance != 1 for every expert (both branches each step)")
+    host, static = {}, {}
     for branch in needed:
-        kw, static = pipe.conditions(tensors, branch, image, latent_shape)
-        conds[branch] = {k: backend.put(v) for k, v in kw.items()}
-    names = tuple(conds["cond"])
+        host[branch], static = pipe.conditions(tensors, branch, image, latent_shape)
+    if fused_cfg:
+        host = {"pair": {k: torch.cat([host["uncond"][k], host["cond"][k]]) for k in host["cond"]}}
+    conds = {b: {k: backend.put(v) for k, v in kw.items()} for b, kw in host.items()}
+    names = tuple(next(iter(conds.values())))
     if getattr(pipe.config, "use_meanflow", False):
         names += ("timestep_r",)
-    backend.prepare(names, static, latent_shape)
+    backend.prepare(names, static, (2 if fused_cfg else 1, *latent_shape[1:]))
     first = pipe.first_frame(tensors, image)
     return Sample(pipe, backend.put(noise_for(latent_shape, seed)), tuple(latent_shape), conds,
                   guidance, image, None if first is None else backend.put(first))
@@ -45,7 +50,7 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     scheduler combination (a dry pass over the whole schedule) and the frame write-back."""
     pipe = sample.pipeline
     t = backend.put(pipe.timestep_input(scheduler.timesteps[0], sample.latent_shape, sample.image))
-    conds = dict(sample.conds["cond"])
+    conds = dict(next(iter(sample.conds.values())))  # what the programs were built for
     if getattr(pipe.config, "use_meanflow", False):
         conds["timestep_r"] = backend.put(torch.tensor([0.0]))
     expert = pipe.experts[0][0]  # the JAX experts share their programs
@@ -58,6 +63,8 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     after = backend.middle(expert, hidden, ctx)
     backend.ops.add(hidden, backend.ops.sub(after, hidden))
     out = backend.tail(expert, hidden, ctx)
+    if isinstance(out, tuple):  # a fused CFG call returns (uncond, cond)
+        out = out[1]
     lincomb, x = folding(backend.lincomb), sample.noise
     for v in (out, Combination(((-1.0, out), (2.0, out)))):  # without and with CFG
         dry = scheduler.fresh()

@@ -139,9 +139,6 @@ def resolve(args) -> dict:
                          "config)") + f"; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
     config = config_from_args(args)
-    if config.cfg_mode == "fused":
-        raise UsageError("--cfg_mode fused (both CFG branches in one call) is not wired into the "
-                         "stage-2 loop yet; use cond_authoritative, separate or shared_diff")
     if args.backend != "torch" and (args.torch_compile or args.offload_model or args.device):
         raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
     if args.offload_model and args.cache_offload is None:
@@ -171,6 +168,9 @@ def resolve(args) -> dict:
         raise UsageError(str(exc)) from None
     g_values = [pipe.guidance_for(e, guidance) for e, _ in pipe.experts]
     cfg_on = any(g != 1.0 for g in g_values)
+    if config.cfg_mode == "fused" and 1.0 in g_values:
+        raise UsageError("--cfg_mode fused batches cond and uncond in one call; it needs CFG "
+                         f"(guidance != 1) for every expert, got guidance {g_values}")
     if args.input_dir is not None:
         image = pipe.task == "i2v" or (pipe.task == "ti2v" and _has_image(args.input_dir))
         tensors, stage1 = read_stage1(args.input_dir, pipe.stage1_specs(latent_shape, cfg_on, image))
@@ -273,7 +273,8 @@ def run(args) -> dict:
     plan = SignalPlan.from_config(config)
     backend = make_backend(args, models, plan)
     sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
-                         seed=r["seed"], guidance=r["guidance"])
+                         seed=r["seed"], guidance=r["guidance"],
+                         fused_cfg=config.cfg_mode == "fused")
     common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"])
     began = time.perf_counter()
     traj = sample_once(backend, config, sample, progress=_progress(not args.no_progress),
@@ -281,7 +282,9 @@ def run(args) -> dict:
     latents = backend.get(traj.latents)
     report = _report(r, traj, backend, plan, args, time.perf_counter() - began)
     if args.compare:
-        base = sample_once(backend, CMConfig(), sample, warmup_rounds=0, **common)
+        # caching off, same CFG pairing (a fused sample is called as one pair)
+        base = sample_once(backend, CMConfig(cfg_mode=config.cfg_mode), sample, warmup_rounds=0,
+                           **common)
         reference = backend.get(base.latents)
         report["compare"] = {
             "uncached_loop_seconds": base.stats.wall_seconds,

@@ -135,6 +135,9 @@ class Probe(_Stage):
     def forward(self, x, t, rope_cos, rope_sin, reference, *conds):
         model, plan = self.model, self.plan
         kwargs = dict(zip(self.cond_names, conds, strict=True))
+        batch = max((c.shape[0] for c in conds if c.ndim), default=x.shape[0])
+        if x.shape[0] != batch:  # fused CFG: one latent, both branches' conditions
+            x, t = x.expand(batch, *x.shape[1:]), t.expand(batch, *t.shape[1:])
         hidden, ctx = model.prepare(x, t, **kwargs, **self.static, rope=(rope_cos, rope_sin))
         entry = hidden
         for i in range(plan.fn_blocks):
@@ -190,4 +193,7 @@ class Tail(_Stage):
         ctx = self._ctx(ctx)
         for i in range(self.start, self.model.num_blocks):
             hidden = self.model.block(i, hidden, ctx)
-        return self.model.final(hidden, ctx, self.grid)
+        out = self.model.final(hidden, ctx, self.grid)
+        # A batched (fused CFG) call hands back one output per sample, so the loop combines
+        # them without slicing on the device.
+        return out if out.shape[0] == 1 else tuple(out.split(1))

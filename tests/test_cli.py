@@ -97,6 +97,8 @@ def test_bad_flags_exit_nonzero_with_a_message(tmp_path):
     assert out.returncode == 2 and "fbcache is not enabled" in out.stderr
     out = cli("--model", "wan2.2-ti2v-5b", cwd=tmp_path)
     assert out.returncode == 2 and "give --model_path" in out.stderr
+    out = cli("--teacache", "--cfg_mode", "fused", "--guidance_scale", "1", cwd=tmp_path)
+    assert out.returncode == 2 and "needs CFG" in out.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -181,3 +181,29 @@ def test_meanflow_feeds_the_next_timestep():
     a, _, _ = run(JaxBackend, "hunyuanvideo-tiny-meanflow", CMConfig(), steps=4)
     b, _, _ = run(TorchBackend, "hunyuanvideo-tiny-meanflow", CMConfig(), steps=4)
     assert rel_err(a, b) < 1e-5
+
+
+def test_fused_cfg_is_one_batch_2_call_with_the_same_result():
+    """--cfg_mode fused: cond and uncond in one call; caching off it equals two calls, and the
+    pair's decisions agree between backends."""
+    pipe, models, shape, image, tensors, _ = setup("wan-tiny-ti2v")
+    out = {}
+    for name, config, cls in (("separate", CMConfig(), JaxBackend),
+                              ("fused", CMConfig(cfg_mode="fused"), JaxBackend),
+                              ("fused-tc", CMConfig(cfg_mode="fused",
+                                                    teacache=TeaCacheConfig(threshold=0.5)), JaxBackend),
+                              ("fused-tc-torch", CMConfig(cfg_mode="fused",
+                                                          teacache=TeaCacheConfig(threshold=0.5)),
+                               TorchBackend)):
+        backend = cls(models, SignalPlan.from_config(config))
+        sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0,
+                             fused_cfg=config.cfg_mode == "fused")
+        traj = sample_once(backend, config, sample, solver=pipe.solver, steps=10, shift=pipe.shift)
+        out[name] = (backend.get(traj.latents), traj)
+    assert rel_err(out["fused"][0], out["separate"][0]) < 1e-5
+    assert out["fused"][1].stats.model_calls == 10 and out["separate"][1].stats.model_calls == 20
+    traces = [[(r["step"], r["branch"], r["action"]) for r in out[k][1].gate.telemetry.trace]
+              for k in ("fused-tc", "fused-tc-torch")]
+    assert traces[0] == traces[1] and {b for _, b, _ in traces[0]} == {"pair"}
+    assert {a for _, _, a in traces[0]} == {"compute", "skip"}
+    assert out["fused-tc"][1].loop_compiles.lowered == 0
