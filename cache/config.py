@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from . import deepcache, fbcache, teacache
+from . import deepcache, fbcache, noise_adapt, teacache
 from .decision import PAIR
 from .deepcache import DeepCacheConfig
 from .fbcache import FBCacheConfig
@@ -57,6 +57,8 @@ class CMConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     offload: str = "auto"
     offload_watermark: float = 0.9  # fraction of device memory in use that sends caches to the host
+    noise_adapt: str = "none"  # threshold factor over the schedule: none, linear, table:<name>
+    dry_run: bool = False  # decide and record, but always compute (calibration, seed 002)
 
     def __post_init__(self):
         for _, name, cls in TECHNIQUES.values():
@@ -92,7 +94,8 @@ class CMConfig:
         if self.fn_blocks == 0 and self.fbcache is not None and self.fbcache.needs_block0:
             raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
                               f"set fn_blocks >= 1 or leave it unset")
-        for name in ("cfg_sep_diff", "cfg_compute_first"):
+        noise_adapt.check(self.noise_adapt)
+        for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -47,6 +47,7 @@ class Reason(StrEnum):
     ALTERNATING = "alternating"  # compute: only every other skip-eligible step may skip
     FOLLOW_LEADER = "follow_leader"  # either: the follower branch takes its leader's action
     NO_MODE = "no_mode"  # compute: no caching technique is enabled
+    DRY_RUN = "dry_run"  # compute: the gate would have skipped, but the run is a dry run
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
     if not is_finite(rel):
         return None, FBCacheState()
     accum = rel if config.metric in TENSOR_METRICS else state.accum + rel
-    return threshold_vote(config.threshold, accum, rel, rel), replace(state, accum=accum, ema_rel=rel)
+    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rel),
+            replace(state, accum=accum, ema_rel=rel))
 
 
 def refresh(state: FBCacheState) -> FBCacheState:

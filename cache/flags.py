@@ -74,6 +74,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    + ", ".join(sorted(PROFILES)))
     g.add_argument("--teacache_signal", choices=SIGNALS,
                    help="what the signature summarises (default: the profile's, else modulated_input)")
+    g.add_argument("--teacache_ema", type=float, help=d(TeaCacheConfig, "ema") + "; smooths rel")
 
     g = parser.add_argument_group("caching: FBCache")
     g.add_argument("--fb_thresh", type=float, help=d(FBCacheConfig, "threshold"))
@@ -106,6 +107,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache_offload", "--teacache_offload", dest="cache_offload", choices=OFFLOAD,
                    help=d(CMConfig, "offload"))
     g.add_argument("--offload_watermark", type=float, help=d(CMConfig, "offload_watermark"))
+    g.add_argument("--noise_adapt", "--teacache_noise_adapt", dest="noise_adapt",
+                   help="threshold factor over the schedule: none, linear (1.5 -> 0.5) or "
+                        "table:<name> " + d(CMConfig, "noise_adapt"))
+    g.add_argument("--dry_run", "--teacache_dry_run", dest="dry_run", action="store_true",
+                   default=None, help="decide and record every call but always compute "
+                   "(prospective decisions, for calibration)")
 
 
 def _single(args, name: str, flag: str):
@@ -138,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
                       "interval": ("--cache_step_interval", args.cache_step_interval)},
         "teacache": {"threshold": ("--teacache_thresh", args.teacache_thresh),
                      "policy": ("--teacache_policy", args.teacache_policy),
-                     "signal": ("--teacache_signal", args.teacache_signal)},
+                     "signal": ("--teacache_signal", args.teacache_signal),
+                     "ema": ("--teacache_ema", args.teacache_ema)},
         "fbcache": {"threshold": ("--fb_thresh", args.fb_thresh),
                     "metric": ("--fb_metric", args.fb_metric),
                     "downsample": ("--fb_downsample", args.fb_downsample),
@@ -174,5 +182,7 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
             bn_blocks=args.bn_blocks,
             offload=args.cache_offload,
             offload_watermark=args.offload_watermark,
+            noise_adapt=args.noise_adapt,
+            dry_run=args.dry_run,
         ),
     )

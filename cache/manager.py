@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from . import limits
+from . import limits, noise_adapt
 from .config import CMConfig
 from .decision import COMPUTE, PAIR, SKIP, Applied, Decision, FailSafe, Reason, Signals
 from .residuals import NumpyOps, Slot, TensorOps, move
@@ -38,6 +38,7 @@ class Call:
     step: int  # executed step of the run, 0-based
     phase_step: int  # executed step within the current expert phase
     expert: str | None
+    threshold_scale: float = 1.0  # noise-phase adaptivity: multiplies the thresholds
 
 
 @dataclass
@@ -109,7 +110,8 @@ class CacheManager:
             self._leader_rels, self._leader_decision = {}, None
         elif self._step < 0 or expert != self._expert:
             return
-        self._call = Call(branch, self._step, self._step - self._phase_start, expert)
+        self._call = Call(branch, self._step, self._step - self._phase_start, expert,
+                          noise_adapt.factor(cfg.noise_adapt, self._step, self.num_steps))
 
     # ---- decisions -------------------------------------------------------------------------
 
@@ -225,6 +227,10 @@ class CacheManager:
                 self.telemetry.count_pair_divergence(decision, recorded_as_skip=False)
         if not is_follower:
             self._leader_decision = decision
+        if cfg.dry_run and decision.skip:
+            # The state and the trace went on as if skipping (the prospective run); the caller
+            # computes anyway and stores a fresh residual.
+            return replace(decision, action=COMPUTE, reason=str(Reason.DRY_RUN))
         return decision
 
     def _fallback(self, call: Call | None, reason: FailSafe) -> Decision:

@@ -31,14 +31,17 @@ class TeaCacheConfig:
         policy: `linear` (identity) or `poly:<profile>` (see teacache_profiles.PROFILES).
         signal: what the signature summarises; defaults to the profile's signal, else the
             block-0 modulated input.
+        ema: exponential smoothing of rel (seed 002); 0 turns it off.
     """
 
     threshold: float = 0.08
     policy: str = "linear"
     signal: str | None = None
+    ema: float = 0.0  # smooths rel before rescaling: ema * previous + (1 - ema) * rel; 0 = off
 
     def __post_init__(self):
         check_float("TeaCacheConfig", "threshold", self.threshold)
+        check_float("TeaCacheConfig", "ema", self.ema, below=1.0)
         if self.policy != "linear":
             name = self.policy.removeprefix("poly:")
             if not self.policy.startswith("poly:") or name not in PROFILES:
@@ -75,6 +78,7 @@ class TeaCacheConfig:
 class TeaCacheState:
     prev_sig: float | None = None
     accum: float = 0.0
+    ema_rel: float | None = None
 
 
 State = TeaCacheState
@@ -93,11 +97,14 @@ def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
     """rel -> (Vote, new state). A None rel means there is nothing to compare with yet."""
     if rel is None:
         return Vote(False, Reason.NO_REFERENCE), state
+    if state.ema_rel is not None and config.ema > 0:
+        rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
     rescaled = config.rescale(rel)
     if not is_finite(rescaled):
         return None, TeaCacheState()
     accum = state.accum + rescaled
-    return threshold_vote(config.threshold, accum, rel, rescaled), replace(state, accum=accum)
+    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rescaled),
+            replace(state, accum=accum, ema_rel=rel))
 
 
 def refresh(state: TeaCacheState) -> TeaCacheState:

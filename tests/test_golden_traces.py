@@ -7,6 +7,7 @@ from cache import (
     TEACACHE_PROFILES,
     CacheManager,
     CMConfig,
+    ConfigError,
     DeepCacheConfig,
     FBCacheConfig,
     Signals,
@@ -114,3 +115,47 @@ def test_no_technique_always_computes():
     g = gate(CMConfig(), 5)
     assert run(g, [1.0] * 5, [1.0] * 5) == {"cond": "CCCCC", "uncond": "CCCCC"}
     assert {r["reason"] for r in g.telemetry.trace} == {"no_mode"}
+
+
+def test_teacache_ema_golden():
+    """ema 0.5 on SIGS, threshold .1 (by hand): smoothed rel .0200, .0247, .0838 (accum .128: C),
+    .0461, .0272 (accum .073), .1283 (C), .0675, .0371 (accum .105: C where plain TeaCache skips)."""
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1, ema=0.5)), 10)
+    assert run(g, SIGS) == {"cond": "CSSCSSCSCC"}
+    assert g.telemetry.trace[2]["rel"] == pytest.approx(0.5 * 0.02 + 0.5 * 0.03 / 1.02, rel=1e-6)
+
+
+STEADY = [1.03 ** i for i in range(10)]  # rel .03 every step
+
+
+def test_noise_adapt_linear_golden():
+    """threshold .1 x (1.5 - step / 9): the accumulated .09 at step 7 passes the tightened
+    threshold .072 (plain: skips until .12 at steps 4 and 8)."""
+    plain = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1)), 10)
+    assert run(plain, STEADY) == {"cond": "CSSSCSSSCC"}
+    adapted = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1), noise_adapt="linear"), 10)
+    assert run(adapted, STEADY) == {"cond": "CSSSCSSCSC"}
+    fb = gate(CMConfig(fbcache=FBCacheConfig(threshold=0.1), noise_adapt="linear"), 10)
+    assert run(fb, STEADY) == {"cond": "CSSSCSSCSC"}
+
+
+def test_noise_adapt_tables():
+    from cache import noise_adapt
+    assert noise_adapt.factor("none", 3, 10) == 1.0
+    assert noise_adapt.factor("linear", 0, 10) == 1.5 and noise_adapt.factor("linear", 9, 10) == 0.5
+    assert noise_adapt.factor("table:plateau", 5, 11) == pytest.approx(1.0)
+    assert noise_adapt.factor("table:plateau", 10, 11) == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="table:<name>"):
+        CMConfig(noise_adapt="table:nope")
+
+
+def test_dry_run_records_the_prospective_trace_and_always_computes():
+    live = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1)), 10)
+    live_trace = run(live, SIGS, SIGS)
+    dry = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1), dry_run=True), 10)
+    assert run(dry, SIGS, SIGS) == {"cond": "C" * 10, "uncond": "C" * 10}
+    prospective = {b: "".join("S" if r["action"] == "skip" else "C"
+                              for r in dry.telemetry.trace if r["branch"] == b)
+                   for b in ("cond", "uncond")}
+    assert prospective == live_trace == {"cond": "CSSCSSCSSC", "uncond": "CSSCSSCSSC"}
+    assert dry.summary()["failsafe_count"] == 0

@@ -207,3 +207,13 @@ def test_fused_cfg_is_one_batch_2_call_with_the_same_result():
     assert traces[0] == traces[1] and {b for _, b, _ in traces[0]} == {"pair"}
     assert {a for _, _, a in traces[0]} == {"compute", "skip"}
     assert out["fused-tc"][1].loop_compiles.lowered == 0
+
+
+def test_dry_run_samples_exactly_uncached_and_records_prospective_skips():
+    off, _, _ = run(JaxBackend, "hunyuanvideo-tiny", CMConfig(teacache=TeaCacheConfig(threshold=0.0)),
+                    steps=12)
+    config = CMConfig(teacache=TeaCacheConfig(threshold=0.5, ema=0.3), noise_adapt="linear",
+                      dry_run=True)
+    dry, traj, _ = run(JaxBackend, "hunyuanvideo-tiny", config, steps=12)
+    assert torch.equal(dry, off) and all(traj.stats.step_computed)
+    assert any(r["action"] == "skip" for r in traj.gate.telemetry.trace)
