@@ -58,6 +58,9 @@ class CMConfig:
     offload: str = "auto"
     offload_watermark: float = 0.9  # fraction of device memory in use that sends caches to the host
     noise_adapt: str = "none"  # threshold factor over the schedule: none, linear, table:<name>
+    # On reuse, forecast the residual from the last forecast + 1 computed ones (1 linear,
+    # 2 quadratic, Taylor-style); 0 reuses the last one as is. Pair with limits.max_continuous.
+    forecast: int = 0
     dry_run: bool = False  # decide and record, but always compute (calibration, seed 002)
 
     def __post_init__(self):
@@ -95,6 +98,9 @@ class CMConfig:
             raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
                               f"set fn_blocks >= 1 or leave it unset")
         noise_adapt.check(self.noise_adapt)
+        check_int("CMConfig", "forecast", self.forecast)
+        if self.forecast > 2:
+            raise ConfigError(f"CMConfig.forecast is the forecasting order 0, 1 or 2; got {self.forecast}")
         for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")

@@ -110,6 +110,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--noise_adapt", "--teacache_noise_adapt", dest="noise_adapt",
                    help="threshold factor over the schedule: none, linear (1.5 -> 0.5) or "
                         "table:<name> " + d(CMConfig, "noise_adapt"))
+    g.add_argument("--forecast", "--teacache_forecast", dest="forecast", type=int, choices=(0, 1, 2),
+                   help="on reuse, extrapolate the residual from the last 2 (1) or 3 (2) computed "
+                        "ones " + d(CMConfig, "forecast"))
     g.add_argument("--dry_run", "--teacache_dry_run", dest="dry_run", action="store_true",
                    default=None, help="decide and record every call but always compute "
                    "(prospective decisions, for calibration)")
@@ -184,5 +187,6 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
             offload_watermark=args.offload_watermark,
             noise_adapt=args.noise_adapt,
             dry_run=args.dry_run,
+            forecast=args.forecast,
         ),
     )

@@ -269,7 +269,7 @@ class CacheManager:
             if state is None:
                 after = self._convert(decision, None, FailSafe.LIFECYCLE_GUARD)
                 return Applied(x, decision.resume_from_block, after)
-            residual, failure = state.slot.fetch(self.ops, x)
+            residual, failure = state.slot.fetch(self.ops, x, decision.step, self.config.forecast)
             if failure is not None:
                 return Applied(x, decision.resume_from_block, self._convert(decision, state, failure))
             return Applied(self.ops.add(x, residual), decision.resume_from_block, decision)
@@ -299,7 +299,8 @@ class CacheManager:
             if state is None or decision.skip:
                 self.telemetry.count_failsafe(FailSafe.LIFECYCLE_GUARD, decision)
                 return
-            state.slot.store(self.ops, self.ops.sub(x_after, x_before))
+            state.slot.store(self.ops, self.ops.sub(x_after, x_before), decision.step,
+                             keep=self.config.forecast)
             if probe is not None:
                 state.probe = probe
             self._place(state)
@@ -337,6 +338,14 @@ class CacheManager:
                     self.telemetry.count_failsafe(failure, state.last)
                 else:
                     state.slot.residual = moved
+                    earlier = []
+                    for step, r in state.slot.earlier:
+                        r, failure = move(self.ops, r, device)
+                        if failure is not None:  # forecasting falls back to plain reuse
+                            earlier = []
+                            break
+                        earlier.append((step, r))
+                    state.slot.earlier = earlier
             if state.probe is not None:
                 state.probe, failure = move(self.ops, state.probe, device)
                 if failure is not None:

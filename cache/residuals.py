@@ -6,7 +6,7 @@ by pure-host runs. Nothing here reads a tensor's values, so no call here syncs a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .decision import FailSafe
@@ -25,6 +25,7 @@ class TensorOps(Protocol):
     def can_cast(self, src_dtype, dst_dtype) -> bool: ...
     def is_oom(self, exc: BaseException) -> bool: ...
     def memory_fraction(self) -> float | None: ...
+    def combine(self, terms): ...  # sum(w * x) over (float, residual) pairs: forecasting
 
 
 class NumpyOps:
@@ -62,6 +63,22 @@ class NumpyOps:
     def memory_fraction(self):
         return None
 
+    def combine(self, terms):
+        return sum(w * x for w, x in terms)
+
+
+def extrapolation_weights(steps: list[int], at: int) -> list[float]:
+    """Lagrange weights of the polynomial through (steps[i], r_i), evaluated at step `at`:
+    two points extrapolate linearly, three quadratically (Taylor-style forecasting)."""
+    weights = []
+    for i, si in enumerate(steps):
+        w = 1.0
+        for j, sj in enumerate(steps):
+            if j != i:
+                w *= (at - sj) / (si - sj)
+        weights.append(w)
+    return weights
+
 
 @dataclass
 class Slot:
@@ -70,15 +87,44 @@ class Slot:
     residual: Any = None
     shape: tuple | None = None
     dtype: Any = None
+    step: int | None = None  # the step the residual was computed at
+    earlier: list = field(default_factory=list)  # [(step, residual)] before it, for forecasting
 
-    def store(self, ops: TensorOps, residual) -> None:
+    def store(self, ops: TensorOps, residual, step: int | None = None, keep: int = 0) -> None:
+        """Keep `residual` (computed at `step`) and up to `keep` earlier ones."""
+        if keep and self.residual is not None and None not in (self.step, step):
+            self.earlier = (self.earlier + [(self.step, self.residual)])[-keep:]
+        else:
+            self.earlier = []
         self.residual, self.shape, self.dtype = residual, ops.shape(residual), ops.dtype(residual)
+        self.step = step
 
     def drop(self) -> None:
-        self.residual = self.shape = self.dtype = None
+        self.residual = self.shape = self.dtype = self.step = None
+        self.earlier = []
 
-    def fetch(self, ops: TensorOps, x):
-        """The residual ready to add to x, or (None, fail-safe reason). Drops a residual it cannot use."""
+    def fetch(self, ops: TensorOps, x, step: int | None = None, order: int = 0):
+        """The residual ready to add to x, or (None, fail-safe reason). Drops a residual it cannot
+        use. With `order` > 0 and earlier residuals kept, the residual is forecast to `step` from
+        the last order + 1 computed ones (plain reuse until enough are kept)."""
+        residual, failure = self._latest(ops, x)
+        if failure is not None or not order or not self.earlier or step is None:
+            return residual, failure
+        points, device = self.earlier[-order:], ops.device(x)
+        values = []
+        for _, r in points:
+            if ops.shape(r) != self.shape or ops.dtype(r) != self.dtype:
+                return residual, None  # cannot forecast from these: plain reuse
+            if ops.device(r) != device:
+                r, failure = move(ops, r, device)
+                if failure is not None:
+                    self.earlier = []
+                    return residual, None
+            values.append(ops.cast(r, ops.dtype(x)) if self.dtype != ops.dtype(x) else r)
+        weights = extrapolation_weights([s for s, _ in points] + [self.step], step)
+        return ops.combine(list(zip(weights, values + [residual], strict=True))), None
+
+    def _latest(self, ops: TensorOps, x):
         if self.residual is None:
             return None, FailSafe.MISSING_RESIDUAL
         if ops.shape(x) != self.shape:

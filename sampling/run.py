@@ -61,7 +61,10 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     if plan.needs_reference:
         backend.probe(expert, sample.noise, t, conds, r1)
     after = backend.middle(expert, hidden, ctx)
-    backend.ops.add(hidden, backend.ops.sub(after, hidden))
+    residual = backend.ops.sub(after, hidden)
+    backend.ops.add(hidden, residual)
+    for order in range(1, plan.forecast + 1):  # forecasts combine order + 1 residuals
+        backend.ops.combine([(1.0, residual)] * (order + 1))
     out = backend.tail(expert, hidden, ctx)
     if isinstance(out, tuple):  # a fused CFG call returns (uncond, cond)
         out = out[1]

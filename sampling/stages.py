@@ -39,6 +39,7 @@ class SignalPlan:
     bn_blocks: int
     kinds: tuple[tuple[str, str], ...] = ()
     downsample: int = 1
+    forecast: int = 0  # the gate's forecasting order: warm-up compiles its combinations
 
     @classmethod
     def from_config(cls, config: CMConfig) -> "SignalPlan":
@@ -48,7 +49,8 @@ class SignalPlan:
         if config.fbcache is not None:
             kinds.append(("fbcache", config.fbcache.metric))
         downsample = config.fbcache.downsample if config.fbcache is not None else 1
-        return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample)
+        return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample,
+                   config.forecast)
 
     @property
     def needs_reference(self) -> bool:

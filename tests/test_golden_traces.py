@@ -159,3 +159,25 @@ def test_dry_run_records_the_prospective_trace_and_always_computes():
                    for b in ("cond", "uncond")}
     assert prospective == live_trace == {"cond": "CSSCSSCSSC", "uncond": "CSSCSSCSSC"}
     assert dry.summary()["failsafe_count"] == 0
+
+
+def test_forecasting_extrapolates_the_residual_from_the_last_computed_ones():
+    """The driver's middle blocks add step + 1, so the residual grows linearly with the step:
+    order 1 forecasts it exactly; plain reuse returns the last computed one."""
+    import numpy as np
+
+    from tests.gate_driver import call
+    # computes at steps 0, 1, 2 and 5 (warm-up, before start, refreshes); reuses at 3 and 4
+    for order, want in ((0, [1.0, 2.0, 3.0, 3.0, 3.0, 6.0]), (1, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0])):
+        g = gate(CMConfig(deepcache=DeepCacheConfig(start=2, end=6, interval=3), forecast=order,
+                          last_steps=0), 6)
+        outs = [float(call(g, "cond", Signals(), step=s, h=np.zeros(2))[1][0]) for s in range(6)]
+        assert outs == want
+
+
+def test_quadratic_forecast_weights():
+    from cache.residuals import extrapolation_weights
+    w = extrapolation_weights([1, 2, 4], 5)  # a quadratic through (1,1), (2,4), (4,16) gives 25
+    assert sum(wi * v for wi, v in zip(w, [1, 4, 16], strict=True)) == pytest.approx(25.0)
+    with pytest.raises(ConfigError, match="forecasting order"):
+        CMConfig(forecast=3)

@@ -217,3 +217,13 @@ def test_dry_run_samples_exactly_uncached_and_records_prospective_skips():
     dry, traj, _ = run(JaxBackend, "hunyuanvideo-tiny", config, steps=12)
     assert torch.equal(dry, off) and all(traj.stats.step_computed)
     assert any(r["action"] == "skip" for r in traj.gate.telemetry.trace)
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_forecasting_runs_on_both_backends_without_loop_compiles(order):
+    config = CMConfig(deepcache=DeepCacheConfig(start=3, end=16, interval=3), forecast=order)
+    a, ta, _ = run(JaxBackend, "hunyuanvideo-tiny", config, steps=18)
+    b, _, _ = run(TorchBackend, "hunyuanvideo-tiny", config, steps=18)
+    plain, _, _ = run(JaxBackend, "hunyuanvideo-tiny", CMConfig(deepcache=config.deepcache), steps=18)
+    assert ta.loop_compiles.lowered == 0 and rel_err(a, b) < 1e-5
+    assert rel_err(a, plain) > 1e-6  # the forecast changed what the reuse steps added

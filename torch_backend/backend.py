@@ -67,6 +67,11 @@ class TorchOps:
     def is_oom(self, exc):
         return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
 
+    def combine(self, terms):
+        def one(*xs):
+            return sum(w * x for (w, _), x in zip(terms, xs, strict=True))
+        return _map(one, *(x for _, x in terms))
+
     def memory_fraction(self):
         if self.compute_device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.compute_device)

@@ -42,6 +42,17 @@ def _lincomb(weights, *xs):
 
 
 @jax.jit
+def _tree_lincomb(weights, *trees):
+    """sum(w_i * tree_i) leaf by leaf, in each leaf's dtype (forecast residuals)."""
+    def combine(*leaves):
+        out = weights[0].astype(leaves[0].dtype) * leaves[0]
+        for i in range(1, len(leaves)):
+            out = out + weights[i].astype(leaves[i].dtype) * leaves[i]
+        return out
+    return jax.tree.map(combine, *trees)
+
+
+@jax.jit
 def _replace_first_frame(x, frame):
     return x.at[:, :, :1].set(frame.astype(x.dtype))
 
@@ -83,6 +94,9 @@ class JaxOps:
 
     def is_oom(self, exc):
         return "RESOURCE_EXHAUSTED" in str(exc) or isinstance(exc, MemoryError)
+
+    def combine(self, terms):
+        return _tree_lincomb(np.asarray([w for w, _ in terms], np.float32), *(x for _, x in terms))
 
     def memory_fraction(self):
         stats = jax.devices()[0].memory_stats() or {}
