@@ -137,7 +137,9 @@ class Probe(_Stage):
     def forward(self, x, t, rope_cos, rope_sin, reference, *conds):
         model, plan = self.model, self.plan
         kwargs = dict(zip(self.cond_names, conds, strict=True))
-        batch = max((c.shape[0] for c in conds if c.ndim), default=x.shape[0])
+        batch = x.shape[0]
+        for c in conds:  # a plain loop: dynamo breaks the graph on max(..., default=)
+            batch = c.shape[0] if c.ndim and c.shape[0] > batch else batch
         if x.shape[0] != batch:  # fused CFG: one latent, both branches' conditions
             x, t = x.expand(batch, *x.shape[1:]), t.expand(batch, *t.shape[1:])
         hidden, ctx = model.prepare(x, t, **kwargs, **self.static, rope=(rope_cos, rope_sin))
