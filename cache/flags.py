@@ -14,6 +14,7 @@ from .config import CFG_MODES, OFFLOAD, PAIR_REDUCE, TECHNIQUES, CMConfig
 from .deepcache import DeepCacheConfig
 from .fbcache import METRICS, FBCacheConfig
 from .limits import LimitsConfig
+from .preset import PRESETS, TECHNIQUE_KEYS, load_preset
 from .teacache import TeaCacheConfig
 from .teacache_profiles import PROFILES, SIGNALS
 from .validate import ConfigError
@@ -55,6 +56,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         return f"(default {_default(cls, name)})"
 
     g = parser.add_argument_group("caching: technique selection")
+    g.add_argument("--preset", choices=PRESETS, help="a named starting point (seed 002); explicit "
+                   "flags override its fields")
     g.add_argument("--enable_cache", action="store_true",
                    help="enable caching with --cache_type (seed 003's flag)")
     g.add_argument("--cache_type", choices=CACHE_TYPES, default=None,
@@ -134,13 +137,14 @@ def _given(**kwargs) -> dict:
 
 def config_from_args(args: argparse.Namespace) -> CMConfig:
     """Build the CMConfig the flags describe; ConfigError names the offending flag."""
-    cache_type = args.cache_type or ("deepcache" if args.enable_cache else None)
+    preset = load_preset(args.preset) if getattr(args, "preset", None) else {}
+    cache_type = args.cache_type or ("deepcache" if args.enable_cache and not preset else None)
     if args.cache_type is not None and not args.enable_cache:
         raise ConfigError("--cache_type needs --enable_cache")
     on = {
-        "deepcache": args.deepcache or cache_type == "deepcache",
-        "teacache": args.teacache or cache_type == "teacache",
-        "fbcache": args.fbcache or cache_type == "fbcache",
+        "deepcache": args.deepcache or cache_type == "deepcache" or "deepcache" in preset,
+        "teacache": args.teacache or cache_type == "teacache" or "teacache" in preset,
+        "fbcache": args.fbcache or cache_type == "fbcache" or "fbcache" in preset,
     }
     specific = {  # technique -> {config field: (flag, value)}
         "deepcache": {"start": ("--cache_start_step", args.cache_start_step),
@@ -163,17 +167,23 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
             flags = ", ".join(fields[k][0] for k in given)
             raise ConfigError(f"{flags} given but {name} is not enabled; add --{name} "
                               f"(or --enable_cache --cache_type {name})")
-        techniques[name] = classes[name](**given) if on[name] else None
+        techniques[name] = classes[name](**{**preset.get(name, {}), **given}) if on[name] else None
 
-    limit_values = dict(args.teacache_limits or {})
+    limit_values = dict(preset.get("limits", {}))
+    limit_values.update(args.teacache_limits or {})
     limit_values.update(_given(max_cached=args.max_cached, max_continuous=args.max_continuous))
     # cache-dit's convention, which users bring along: a negative cap means no cap.
-    limit_values = {k: (None if v < 0 else v) for k, v in limit_values.items()}
+    limit_values = {k: (None if isinstance(v, int) and not isinstance(v, bool) and v < 0 else v)
+                    for k, v in limit_values.items()}
     limit_values.update(_given(alternating=args.alternating))
+    top = {k: v for k, v in preset.items() if k not in (*TECHNIQUE_KEYS, "limits")}
+    unknown = sorted(set(top) - {f.name for f in dataclasses.fields(CMConfig)})
+    if unknown:
+        raise ConfigError(f"preset {args.preset!r} sets unknown fields {unknown}")
     return CMConfig(
         **techniques,
         limits=LimitsConfig(**limit_values),
-        **_given(
+        **{**top, **_given(
             warmup=_single(args, "cache_warmup", "--cache_warmup"),
             last_steps=_single(args, "cache_last_steps", "--cache_last_steps"),
             cfg_mode=args.cfg_mode,
@@ -188,5 +198,5 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
             noise_adapt=args.noise_adapt,
             dry_run=args.dry_run,
             forecast=args.forecast,
-        ),
+        )},
     )

@@ -13,7 +13,7 @@ from typing import Callable
 
 from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
 from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS
-from .validate import ConfigError, check_choice, check_float
+from .validate import ConfigError, check_choice, check_float, check_int
 
 MODE = "tc"
 SIGNAL_FIELD = "teacache"  # the Signals field this technique reads
@@ -38,9 +38,11 @@ class TeaCacheConfig:
     policy: str = "linear"
     signal: str | None = None
     ema: float = 0.0  # smooths rel before rescaling: ema * previous + (1 - ema) * rel; 0 = off
+    downsample: int = 1  # token stride of the modulated-input signature (seed 002's diff stride)
 
     def __post_init__(self):
         check_float("TeaCacheConfig", "threshold", self.threshold)
+        check_int("TeaCacheConfig", "downsample", self.downsample, minimum=1)
         check_float("TeaCacheConfig", "ema", self.ema, below=1.0)
         if self.policy != "linear":
             name = self.policy.removeprefix("poly:")

@@ -311,7 +311,8 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         "guidance": r["guidance"] if r["guidance"] is not None else r["pipe"].guidance,
         "latent_shape": list(r["latent_shape"]), "tokens": r["pipe"].tokens(r["latent_shape"]),
         "attention": backend.attention, "device": backend.device_name(), "backend": args.backend,
-        "cache": {"modes": list(gate.config.modes), "probe_blocks": plan.fn_blocks,
+        "cache": {"modes": list(gate.config.modes), "preset": args.preset,
+                  "probe_blocks": plan.fn_blocks,
                   "tail_blocks": plan.bn_blocks, "config": gate.config.to_dict()},
         "branches": {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
                      for b, s in summary["branches"].items()},
@@ -369,14 +370,20 @@ def format_summary(report: dict) -> str:
         f"(shift {report['shift']})  guidance {report['guidance']}  latents "
         f"{report['latent_shape']} ({report['tokens']} tokens)  {report['device']}, "
         f"attention {report['attention']}",
-        f"cache: {', '.join(report['cache']['modes']) or 'off'}  (probe {report['cache']['probe_blocks']}"
-        f" blocks, tail {report['cache']['tail_blocks']})",
+        f"cache: {', '.join(report['cache']['modes']) or 'off'}"
+        + (f"  preset {report['cache']['preset']}" if report["cache"]["preset"] else "")
+        + f"  (probe {report['cache']['probe_blocks']} blocks, tail {report['cache']['tail_blocks']})",
     ]
     for b, v in report["branches"].items():
         lines.append(f"  {b:7s} computed {v['computed']:3d}  reused {v['reused']:3d}")
     for e, br in report["experts"].items():
         lines.append(f"  expert {e}: " + "; ".join(f"{b} {v['computed']}/{v['reused']}"
                                                     for b, v in br.items()))
+    if report["cache"]["preset"] or report["cache"]["config"].get("dry_run"):
+        cfg = report["cache"]["config"]
+        shown = {k: cfg[k] for k in ("teacache", "fbcache", "deepcache", "bn_blocks", "forecast",
+                                     "noise_adapt", "cfg_sep_diff", "dry_run") if cfg.get(k)}
+        lines.append(f"  resolved: {shown}, limits {cfg['limits']}")
     if report["failsafes"]:
         lines.append(f"  fail-safes: {report['failsafes']}")
     w, lp = c["warmup"], c["loop"]

@@ -40,6 +40,7 @@ class SignalPlan:
     kinds: tuple[tuple[str, str], ...] = ()
     downsample: int = 1
     forecast: int = 0  # the gate's forecasting order: warm-up compiles its combinations
+    tc_downsample: int = 1  # TeaCache's token stride over the modulated input
 
     @classmethod
     def from_config(cls, config: CMConfig) -> "SignalPlan":
@@ -49,8 +50,9 @@ class SignalPlan:
         if config.fbcache is not None:
             kinds.append(("fbcache", config.fbcache.metric))
         downsample = config.fbcache.downsample if config.fbcache is not None else 1
+        tc_downsample = config.teacache.downsample if config.teacache is not None else 1
         return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample,
-                   config.forecast)
+                   config.forecast, tc_downsample)
 
     @property
     def needs_reference(self) -> bool:
@@ -151,7 +153,10 @@ class Probe(_Stage):
             r1 = (image_stream(hidden) - image_stream(entry))[:, ::plan.downsample].float()
         for technique, kind in plan.kinds:
             if technique == "teacache":
-                values.append(_mean_abs(model.signature(kind, entry, ctx)))
+                sig = model.signature(kind, entry, ctx)
+                if kind == "modulated_input":
+                    sig = sig[:, ::plan.tc_downsample]
+                values.append(_mean_abs(sig))
             elif kind in ("hidden_rel_l1", "hidden_rel_l2"):
                 mod = model.signature("modulated_input", entry, ctx)[:, ::plan.downsample].float()
                 values.append(_mean_abs(mod) if kind == "hidden_rel_l1"
