@@ -62,6 +62,9 @@ class CMConfig:
     # 2 quadratic, Taylor-style); 0 reuses the last one as is. Pair with limits.max_continuous.
     forecast: int = 0
     dry_run: bool = False  # decide and record, but always compute (calibration, seed 002)
+    # Scene-change guard (seed 002): compute whenever the latent moved more than this relative L1
+    # since the previous step (a cut, a new condition); 0 = off.
+    scene_guard: float = 0.0
 
     def __post_init__(self):
         for _, name, cls in TECHNIQUES.values():
@@ -98,6 +101,7 @@ class CMConfig:
             raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
                               f"set fn_blocks >= 1 or leave it unset")
         noise_adapt.check(self.noise_adapt)
+        check_float("CMConfig", "scene_guard", self.scene_guard)
         check_int("CMConfig", "forecast", self.forecast)
         if self.forecast > 2:
             raise ConfigError(f"CMConfig.forecast is the forecasting order 0, 1 or 2; got {self.forecast}")
@@ -136,8 +140,9 @@ class CMConfig:
     @cached_property
     def needs_signals(self) -> tuple[str, ...]:
         """Signals fields the backend must fill on every call; empty for schedule-only configs."""
-        return tuple(TECHNIQUES[m][0].SIGNAL_FIELD for m in self.modes
-                     if TECHNIQUES[m][0].SIGNAL_FIELD is not None)
+        fields = tuple(TECHNIQUES[m][0].SIGNAL_FIELD for m in self.modes
+                       if TECHNIQUES[m][0].SIGNAL_FIELD is not None)
+        return fields + (("latent_delta",) if self.scene_guard > 0 and self.enabled else ())
 
     @cached_property
     def leader(self) -> str:

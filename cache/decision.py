@@ -48,6 +48,7 @@ class Reason(StrEnum):
     FOLLOW_LEADER = "follow_leader"  # either: the follower branch takes its leader's action
     NO_MODE = "no_mode"  # compute: no caching technique is enabled
     DRY_RUN = "dry_run"  # compute: the gate would have skipped, but the run is a dry run
+    SCENE_CHANGE = "scene_change"  # compute: the latent jumped more than scene_guard since last step
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,15 @@ class Signals:
             coefficient profile was calibrated on).
         fbcache: FBCache value: a signature for the signature metrics, or the relative L1 change
             itself for `residual_tensor_rel_l1` (None there when the backend had no reference).
+        latent_delta: relative L1 change of the latent since the previous step (None at the
+            first step), read by the scene-change guard.
         reduce_error: the backend's reduction failed; the values are the local ones.
         reduced_over: how many shards the backend reduced over (checked against sp_world_size).
     """
 
     teacache: float | None = None
     fbcache: float | None = None
+    latent_delta: float | None = None  # mean |x_t - x_prev| / mean |x_prev| (scene guard)
     reduce_error: bool = False
     reduced_over: int | None = None
 

@@ -116,6 +116,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--forecast", "--teacache_forecast", dest="forecast", type=int, choices=(0, 1, 2),
                    help="on reuse, extrapolate the residual from the last 2 (1) or 3 (2) computed "
                         "ones " + d(CMConfig, "forecast"))
+    g.add_argument("--scene_guard", "--teacache_scene_guard", dest="scene_guard", type=float,
+                   help="compute when the latent's relative L1 change since the last step exceeds "
+                        "this " + d(CMConfig, "scene_guard") + "; 0 = off")
     g.add_argument("--dry_run", "--teacache_dry_run", dest="dry_run", action="store_true",
                    default=None, help="decide and record every call but always compute "
                    "(prospective decisions, for calibration)")
@@ -198,5 +201,6 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
             noise_adapt=args.noise_adapt,
             dry_run=args.dry_run,
             forecast=args.forecast,
+            scene_guard=args.scene_guard,
         )},
     )

@@ -181,7 +181,7 @@ class CacheManager:
                 return self._fallback(call, FailSafe.LIFECYCLE_GUARD)
             return self._finish(call, state, lead.action, Reason.FOLLOW_LEADER, lead.mode, votes, signals)
 
-        forced = self._forced(call)
+        forced = self._forced(call) or self._scene_change(per_branch)
         if forced is not None:
             return self._finish(call, state, COMPUTE, forced, None, votes, signals)
         chosen = next((m for m in cfg.modes if votes[m].skip), None)
@@ -193,6 +193,11 @@ class CacheManager:
         if blocked is not None:
             return self._finish(call, state, COMPUTE, blocked, chosen, votes, signals)
         return self._finish(call, state, SKIP, votes[chosen].reason, chosen, votes, signals)
+
+    def _scene_change(self, per_branch) -> Reason | None:
+        guard = self.config.scene_guard
+        deltas = [s.latent_delta for s in per_branch if s.latent_delta is not None]
+        return Reason.SCENE_CHANGE if guard > 0 and deltas and max(deltas) > guard else None
 
     def _forced(self, call: Call) -> Reason | None:
         if call.phase_step < self.config.warmup:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from .decision import SKIP, Decision, FailSafe
 
 TRACE_COLUMNS = ("step", "phase_step", "expert", "branch", "mode", "action", "reason", "failsafe",
-                 "rel", "rescaled", "accum", "signal_teacache", "signal_fbcache")
+                 "rel", "rescaled", "accum", "signal_teacache", "signal_fbcache",
+                 "signal_latent_delta")
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Telemetry:
             "rel": decision.rel, "rescaled": decision.rel_rescaled, "accum": accum,
             "signal_teacache": getattr(signals, "teacache", None),
             "signal_fbcache": getattr(signals, "fbcache", None),
+            "signal_latent_delta": getattr(signals, "latent_delta", None),
         }
         self.trace.append(row)
         return row

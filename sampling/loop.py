@@ -42,7 +42,8 @@ class Backend(Protocol):
     def put(self, tensor: torch.Tensor) -> Any: ...  # host tensor -> device
     def get(self, x) -> torch.Tensor: ...  # device -> host tensor (a sync)
     def sync(self, x) -> None: ...  # wait until x is computed (timing only)
-    def probe(self, expert, x, t, conds: dict, reference) -> tuple: ...  # hidden, ctx, signals, r1
+    def probe(self, expert, x, t, conds: dict, reference, previous=None) -> tuple: ...
+    # -> hidden, ctx, signals [B, K], r1; previous: last step's latent (None: x itself)
     def middle(self, expert, hidden, ctx): ...
     def tail(self, expert, hidden, ctx): ...
     def read_signals(self, signals) -> list[list[float]]: ...  # [B][K] floats (a sync)
@@ -108,21 +109,23 @@ PAIR_ORDER = ("uncond", "cond")  # batch order of a fused CFG call
 
 
 def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: LoopStats,
-               branch: str, expert, x, t, conds: dict):
+               branch: str, expert, x, t, conds: dict, previous=None):
     """One model call through the gate; returns the model output (noise/velocity prediction),
     or for a fused CFG call (branch PAIR) the outputs of (uncond, cond)."""
     gate.begin_step(branch, expert)
     reference = gate.probe_reference(branch) if plan.needs_reference else None
-    hidden, ctx, signals_dev, r1 = backend.probe(expert, x, t, conds, reference)
+    hidden, ctx, signals_dev, r1 = backend.probe(expert, x, t, conds, reference, previous)
     signals = Signals() if branch != PAIR else {b: Signals() for b in PAIR_ORDER}
-    if plan.kinds and gate.config.needs_signals:
+    if plan.fields and gate.config.needs_signals:
         rows = backend.read_signals(signals_dev)
         stats.signal_reads += 1
         per_sample = []
         for values in rows:
-            named = dict(zip((k for k, _ in plan.kinds), values, strict=True))
+            named = dict(zip(plan.fields, values, strict=True))
             if plan.needs_reference and reference is None:
                 named["fbcache"] = None  # nothing to compare block 0's residual with yet
+            if previous is None and plan.scene_guard:
+                named["latent_delta"] = None  # the first step has no previous latent
             per_sample.append(Signals(**named))
         signals = per_sample[0] if branch != PAIR else dict(zip(PAIR_ORDER, per_sample, strict=True))
     decision = gate.decide(signals)
@@ -143,7 +146,7 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
     timesteps = scheduler.timesteps
     meanflow = getattr(pipe.config, "use_meanflow", False)
     lincomb = folding(backend.lincomb)
-    x = sample.noise
+    x, previous = sample.noise, None
     if sample.first_frame is not None:
         x = backend.replace_first_frame(x, sample.first_frame)
     # The schedule is known: every step's timestep inputs go to the device before the loop.
@@ -162,15 +165,17 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
         outs, leader = {}, None
         if "pair" in sample.conds:  # fused CFG: both branches in one batch-2 call
             pair, leader = model_call(backend, gate, plan, stats, PAIR, expert, x, t_dev,
-                                      {**sample.conds["pair"], **per_step})
+                                      {**sample.conds["pair"], **per_step}, previous)
             outs = dict(zip(PAIR_ORDER, pair, strict=True))
         else:
             for branch in branches(g, gate.config.cfg_compute_first):
                 outs[branch], decision = model_call(backend, gate, plan, stats, branch, expert,
-                                                    x, t_dev, {**sample.conds[branch], **per_step})
+                                                    x, t_dev, {**sample.conds[branch], **per_step},
+                                                    previous)
                 leader = leader or decision
         v = outs["cond"] if len(outs) == 1 else \
             Combination(((1.0 - g, outs["uncond"]), (g, outs["cond"])))  # uncond + g (cond - uncond)
+        previous = x
         x = scheduler.step(i, v, x, lincomb)
         if sample.first_frame is not None:
             x = backend.replace_first_frame(x, sample.first_frame)

@@ -41,6 +41,7 @@ class SignalPlan:
     downsample: int = 1
     forecast: int = 0  # the gate's forecasting order: warm-up compiles its combinations
     tc_downsample: int = 1  # TeaCache's token stride over the modulated input
+    scene_guard: bool = False  # report the latent's relative L1 change since the last step
 
     @classmethod
     def from_config(cls, config: CMConfig) -> "SignalPlan":
@@ -52,7 +53,12 @@ class SignalPlan:
         downsample = config.fbcache.downsample if config.fbcache is not None else 1
         tc_downsample = config.teacache.downsample if config.teacache is not None else 1
         return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample,
-                   config.forecast, tc_downsample)
+                   config.forecast, tc_downsample, "latent_delta" in config.needs_signals)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The Signals field of each column of the probe's signal tensor."""
+        return tuple(k for k, _ in self.kinds) + (("latent_delta",) if self.scene_guard else ())
 
     @property
     def needs_reference(self) -> bool:
@@ -124,7 +130,8 @@ class _Stage(nn.Module):
 
 class Probe(_Stage):
     """prepare + blocks [0, Fn) + signals. Inputs: x, t, rope_cos, rope_sin, reference,
-    then the condition tensors named by `cond_names` (static switches bound in `static`)."""
+    previous (the latent of the last step, for the scene guard), then the condition tensors
+    named by `cond_names` (static switches bound in `static`)."""
 
     def __init__(self, model, plan: SignalPlan, cond_names: tuple[str, ...], static: dict):
         super().__init__(model)
@@ -136,9 +143,10 @@ class Probe(_Stage):
                         for _, kind in self.plan.kinds)
         return set(range(self.plan.fn_blocks)) | ({0} if modulated else set())
 
-    def forward(self, x, t, rope_cos, rope_sin, reference, *conds):
+    def forward(self, x, t, rope_cos, rope_sin, reference, previous, *conds):
         model, plan = self.model, self.plan
         kwargs = dict(zip(self.cond_names, conds, strict=True))
+        delta = _mean_abs(x - previous) / (_mean_abs(previous) + EPS) if plan.scene_guard else None
         batch = x.shape[0]
         for c in conds:  # a plain loop: dynamo breaks the graph on max(..., default=)
             batch = c.shape[0] if c.ndim and c.shape[0] > batch else batch
@@ -165,6 +173,8 @@ class Probe(_Stage):
                 values.append(_mean_abs(r1))
             else:  # residual_tensor_rel_l1: distance from the residual of the last compute
                 values.append(_mean_abs(r1 - reference) / (_mean_abs(reference) + EPS))
+        if delta is not None:
+            values.append(delta.expand(x.shape[0]))
         signals = torch.stack(values, dim=1) if values else x.new_zeros((x.shape[0], 0))
         return hidden, tuple(ctx), signals, r1 if r1 is not None else x.new_zeros(())
 

@@ -181,3 +181,14 @@ def test_quadratic_forecast_weights():
     assert sum(wi * v for wi, v in zip(w, [1, 4, 16], strict=True)) == pytest.approx(25.0)
     with pytest.raises(ConfigError, match="forecasting order"):
         CMConfig(forecast=3)
+
+
+def test_scene_guard_forces_a_compute_when_the_latent_jumps():
+    still = [Signals(teacache=1.0, latent_delta=d) for d in
+             (None, 0.01, 0.01, 0.5, 0.01, 0.01, 0.01, 0.6, 0.01, 0.01)]
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1), scene_guard=0.2), 10)
+    assert run(g, still, still) == {"cond": "CSSCSSSCSC", "uncond": "CSSCSSSCSC"}
+    reasons = [r["reason"] for r in g.telemetry.trace if r["branch"] == "cond"]
+    assert reasons[3] == reasons[7] == "scene_change"
+    assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1)), 10), still)["cond"] == "CSSSSSSSSC"
+    assert "latent_delta" in CMConfig(deepcache=DeepCacheConfig(), scene_guard=0.2).needs_signals

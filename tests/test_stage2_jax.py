@@ -227,3 +227,12 @@ def test_forecasting_runs_on_both_backends_without_loop_compiles(order):
     plain, _, _ = run(JaxBackend, "hunyuanvideo-tiny", CMConfig(deepcache=config.deepcache), steps=18)
     assert ta.loop_compiles.lowered == 0 and rel_err(a, b) < 1e-5
     assert rel_err(a, plain) > 1e-6  # the forecast changed what the reuse steps added
+
+
+def test_scene_guard_reads_the_latent_change_on_both_backends():
+    config = CMConfig(deepcache=DeepCacheConfig(start=2, end=18, interval=4), scene_guard=0.1)
+    a, ta, _ = run(JaxBackend, "wan-tiny-ti2v", config, steps=20)
+    b, tb, _ = run(TorchBackend, "wan-tiny-ti2v", config, steps=20)
+    reasons = [[r["reason"] for r in t.gate.telemetry.trace] for t in (ta, tb)]
+    assert reasons[0] == reasons[1] and "scene_change" in reasons[0] and "schedule_skip" in reasons[0]
+    assert ta.loop_compiles.lowered == 0 and ta.stats.signal_reads == 40 and rel_err(a, b) < 1e-5

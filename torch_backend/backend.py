@@ -149,9 +149,11 @@ class TorchBackend:
             torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
-    def probe(self, expert, x, t, conds, reference):
+    def probe(self, expert, x, t, conds, reference, previous=None):
         ref = self.zero_reference if reference is None else reference
-        return self.stages[expert][0](x, t, *self.rope, ref, *(conds[n] for n in self.cond_names))
+        prev = x if previous is None else previous
+        return self.stages[expert][0](x, t, *self.rope, ref, prev,
+                                      *(conds[n] for n in self.cond_names))
 
     @torch.no_grad()
     def middle(self, expert, hidden, ctx):

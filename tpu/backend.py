@@ -185,9 +185,10 @@ class JaxBackend:
     def sync(self, x) -> None:
         jax.block_until_ready(x)
 
-    def probe(self, expert, x, t, conds, reference):
+    def probe(self, expert, x, t, conds, reference, previous=None):
         ref = self.zero_reference if reference is None else reference
-        args = (x, t, *self.rope, ref, *(conds[n] for n in self.cond_names))
+        prev = x if previous is None else previous
+        args = (x, t, *self.rope, ref, prev, *(conds[n] for n in self.cond_names))
         return self._programs[0](self._weights_of[0][expert], *args)
 
     def middle(self, expert, hidden, ctx):
