@@ -9,10 +9,11 @@ skip while accum < threshold; every compute resets accum (the residual is fresh 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable
 
 from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
-from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS
+from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS, ProfileError, resolve_profile
 from .validate import ConfigError, check_choice, check_float, check_int
 
 MODE = "tc"
@@ -20,7 +21,7 @@ SIGNAL_FIELD = "teacache"  # the Signals field this technique reads
 EPS = 1e-8
 
 
-def _identity(rel: float) -> float:
+def _identity(rel: float, expert: str | None = None) -> float:
     return rel
 
 
@@ -46,10 +47,15 @@ class TeaCacheConfig:
         check_float("TeaCacheConfig", "ema", self.ema, below=1.0)
         if self.policy != "linear":
             name = self.policy.removeprefix("poly:")
-            if not self.policy.startswith("poly:") or name not in PROFILES:
+            try:
+                found = resolve_profile(name) if self.policy.startswith("poly:") else None
+            except ProfileError as exc:
+                raise ConfigError(str(exc)) from None
+            if found is None:
                 raise ConfigError(
                     f"TeaCacheConfig.policy must be 'linear' or 'poly:<profile>' with a profile "
-                    f"among {', '.join(sorted(PROFILES))}; got {self.policy!r}")
+                    f"among {', '.join(sorted(PROFILES))} or a calibrated profile file "
+                    f"(.json); got {self.policy!r}")
         if self.signal is not None:
             check_choice("TeaCacheConfig", "signal", self.signal, SIGNALS)
             profile = self.profile
@@ -59,9 +65,9 @@ class TeaCacheConfig:
                     f"but signal={self.signal!r} was asked for; drop the signal setting or pick a "
                     f"profile fitted on {self.signal}")
 
-    @property
+    @cached_property
     def profile(self):
-        return PROFILES.get(self.policy.removeprefix("poly:")) if self.policy != "linear" else None
+        return resolve_profile(self.policy.removeprefix("poly:")) if self.policy != "linear" else None
 
     @property
     def signature_of(self) -> str:
@@ -72,7 +78,7 @@ class TeaCacheConfig:
         return profile.signal if profile is not None else MODULATED_INPUT
 
     @property
-    def rescale(self) -> Callable[[float], float]:
+    def rescale(self) -> Callable[..., float]:
         return self.profile or _identity
 
 
@@ -101,7 +107,7 @@ def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
         return Vote(False, Reason.NO_REFERENCE), state
     if state.ema_rel is not None and config.ema > 0:
         rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
-    rescaled = config.rescale(rel)
+    rescaled = config.rescale(rel, ctx.expert)
     if not is_finite(rescaled):
         return None, TeaCacheState()
     accum = state.accum + rescaled

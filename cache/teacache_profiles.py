@@ -9,7 +9,10 @@ Coefficients are copied exactly, highest power first (numpy.poly1d order).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import os
+from dataclasses import dataclass, field
 
 # What a TeaCache signature is the mean absolute value of.
 MODULATED_INPUT = "modulated_input"  # block 0's LayerNorm(x) * (1 + scale) + shift (seed 000)
@@ -25,12 +28,45 @@ class PolyProfile:
     threshold: float  # the threshold its source recommends
     warmup: int  # executed steps its source always computes first
     source: str
+    experts: dict = field(default_factory=dict)  # expert -> coefficients (Wan2.2 A14B fits)
 
-    def __call__(self, rel: float) -> float:
+    def __call__(self, rel: float, expert: str | None = None) -> float:
         value = 0.0
-        for c in self.coefficients:  # Horner
+        for c in self.experts.get(expert, self.coefficients):  # Horner
             value = value * rel + c
         return value
+
+
+class ProfileError(ValueError):
+    """A profile file is missing or malformed."""
+
+
+@functools.lru_cache(maxsize=32)
+def load_profile_file(path: str) -> PolyProfile:
+    """A calibrated profile written by `python -m sampling.calibrate` (JSON)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        coefficients = tuple(float(c) for c in d["coefficients"])
+        experts = {k: tuple(float(c) for c in v) for k, v in d.get("experts", {}).items()}
+        profile = PolyProfile(coefficients, str(d["signal"]), float(d.get("threshold", 0.15)),
+                              int(d.get("warmup", 1)), str(d.get("source", path)), experts)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ProfileError(f"TeaCache profile {path}: {exc}; expected the JSON that "
+                           "`python -m sampling.calibrate` writes") from None
+    if profile.signal not in SIGNALS or not coefficients:
+        raise ProfileError(f"TeaCache profile {path}: signal must be one of {SIGNALS} and "
+                           "coefficients non-empty")
+    return profile
+
+
+def resolve_profile(name: str) -> PolyProfile | None:
+    """A named profile, or a profile file (a path ending in .json); None if neither."""
+    if name in PROFILES:
+        return PROFILES[name]
+    if name.endswith(".json") and os.path.isfile(name):
+        return load_profile_file(os.path.abspath(name))
+    return None
 
 
 _TEA = "ali-vilab/TeaCache TeaCache4Wan2.1/teacache_generate.py"

@@ -140,8 +140,10 @@ def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: Lo
 
 
 def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, sample: Sample,
-            *, step_sync: bool = True, progress: Callable[[int, int, bool], None] | None = None):
-    """Run the whole trajectory; returns (final latent on device, LoopStats)."""
+            *, step_sync: bool = True, progress: Callable[[int, int, bool], None] | None = None,
+            observe: Callable | None = None):
+    """Run the whole trajectory; returns (final latent on device, LoopStats).
+    observe(step, branch, expert, output): sees every model output (calibration)."""
     pipe, stats = sample.pipeline, LoopStats()
     timesteps = scheduler.timesteps
     meanflow = getattr(pipe.config, "use_meanflow", False)
@@ -173,6 +175,9 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
                                                     x, t_dev, {**sample.conds[branch], **per_step},
                                                     previous)
                 leader = leader or decision
+        if observe is not None:
+            for branch, out in outs.items():
+                observe(i, branch, expert, out)
         v = outs["cond"] if len(outs) == 1 else \
             Combination(((1.0 - g, outs["uncond"]), (g, outs["cond"])))  # uncond + g (cond - uncond)
         previous = x

@@ -89,7 +89,8 @@ class Trajectory:
 
 
 def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: str, steps: int,
-                shift: float, progress=None, warmup_rounds: int = 1, step_sync: bool = True) -> Trajectory:
+                shift: float, progress=None, warmup_rounds: int = 1, step_sync: bool = True,
+                observe=None) -> Trajectory:
     """Warm up (`warmup_rounds` passes over every program; compiles happen in the first) and
     run one trajectory with a fresh gate. The backend's programs
     (its SignalPlan) must serve `config`: same probe and tail blocks, and the signals it needs;
@@ -108,7 +109,7 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
     warmed = backend.compile_counts()
     warm_seconds = time.perf_counter() - began
     latents, stats = denoise(backend, gate, plan, scheduler.fresh(), sample, progress=progress,
-                             step_sync=step_sync)
+                             step_sync=step_sync, observe=observe)
     backend.release()
     after = backend.compile_counts()
     return Trajectory(latents, stats, gate, _delta(warmed, before), _delta(after, warmed),

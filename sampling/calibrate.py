@@ -1,0 +1,129 @@
+"""Calibrate TeaCache for a model: fit the polynomial that maps the signature's relative change
+to the model output's relative change, and write it as a profile `--teacache_policy poly:<file>`
+loads (one fit per expert for Wan2.2 I2V-A14B, and one over all calls).
+
+    python -m sampling.calibrate --model wan-tiny-i2v --samples 3 --out profile.json
+
+Each sample is an uncached run (threshold 0: nothing is skipped) on its own seed; every model call
+gives a pair (signature change, output change), the output change being
+mean |out_t - out_{t-1}| / mean |out_{t-1}| of the same branch. The fit is numpy.polyfit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+from cache import CMConfig, TeaCacheConfig
+from cache.teacache_profiles import SIGNALS
+
+from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
+from .run import make_sample, sample_once
+from .stages import SignalPlan
+
+
+class OutputChanges:
+    """Observer of one run: (step, branch) -> relative L1 change of the output since the
+    branch's previous call."""
+
+    def __init__(self, backend):
+        self.backend, self.last, self.changes = backend, {}, {}
+
+    def __call__(self, step, branch, expert, out):
+        host = self.backend.get(out).double()
+        prev = self.last.get(branch)
+        if prev is not None:
+            self.changes[(step, branch)] = ((host - prev).abs().mean() / prev.abs().mean()).item()
+        self.last[branch] = host
+
+
+def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solver, shift):
+    """[(expert, rel, output change)] over every call of every sample."""
+    config = CMConfig(teacache=TeaCacheConfig(threshold=0.0, signal=signal))
+    pairs = []
+    for seed, tensors in tensors_by_seed.items():
+        sample = make_sample(backend, pipe, tensors, latent_shape, image=pipe.task == "i2v",
+                             seed=seed)
+        observed = OutputChanges(backend)
+        traj = sample_once(backend, config, sample, solver=solver, steps=steps, shift=shift,
+                           observe=observed)
+        for row in traj.gate.telemetry.trace:
+            key = (row["step"], row["branch"])
+            if row["rel"] is not None and key in observed.changes:
+                pairs.append((row["expert"], row["rel"], observed.changes[key]))
+    return pairs
+
+
+def fit(pairs, degree: int) -> dict:
+    """Coefficients (highest power first) over all pairs and per expert, with R^2."""
+    def one(points):
+        x = np.array([p[1] for p in points])
+        y = np.array([p[2] for p in points])
+        coefficients = np.polyfit(x, y, degree)
+        residual = y - np.polyval(coefficients, x)
+        r2 = 1.0 - residual.var() / y.var() if y.var() > 0 else 1.0
+        return [float(c) for c in coefficients], float(r2), len(points)
+
+    coefficients, r2, n = one(pairs)
+    out = {"coefficients": coefficients, "r2": r2, "points": n, "experts": {}, "experts_r2": {}}
+    experts = sorted({p[0] for p in pairs if p[0] is not None})
+    for expert in experts:
+        points = [p for p in pairs if p[0] == expert]
+        if len(points) > degree + 1:
+            out["experts"][expert], out["experts_r2"][expert], _ = one(points)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES))
+    ap.add_argument("--model_path")
+    ap.add_argument("--samples", type=int, default=3, help="runs, each on its own seed")
+    ap.add_argument("--num_inference_steps", type=int)
+    ap.add_argument("--teacache_signal", choices=SIGNALS, default="modulated_input")
+    ap.add_argument("--degree", type=int, default=4)
+    ap.add_argument("--backend", choices=("jax", "torch"), default="torch")
+    ap.add_argument("--out", required=True, help="profile JSON to write")
+    args = ap.parse_args(argv)
+    from .stage2 import load_models
+
+    pipe = get_pipeline(args.model)
+    steps = args.num_inference_steps or pipe.steps
+    models = load_models(pipe, args.model_path, torch.float32)
+    plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig(signal=args.teacache_signal)))
+    if args.backend == "torch":
+        from torch_backend.backend import TorchBackend
+        backend = TorchBackend(models, plan)
+    else:
+        from tpu.backend import JaxBackend
+        backend = JaxBackend(models, plan)
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
+               for seed in range(args.samples)}
+    pairs = collect(backend, pipe, tensors, shape, signal=args.teacache_signal, steps=steps,
+                    solver=pipe.solver, shift=pipe.shift)
+    result = fit(pairs, args.degree)
+    profile = {
+        "signal": args.teacache_signal, "threshold": 0.15, "warmup": 1,
+        "source": f"sampling.calibrate: {args.model}, {args.samples} samples x {steps} steps "
+                  f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
+        **result,
+    }
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(profile, f, indent=1)
+    os.replace(tmp, args.out)
+    print(f"{len(pairs)} calls; fit R^2 {result['r2']:.3f}"
+          + "".join(f", {e} {r:.3f}" for e, r in result["experts_r2"].items())
+          + f"; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
