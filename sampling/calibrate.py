@@ -60,6 +60,33 @@ def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solv
     return pairs
 
 
+def sweep(backend, pipe, tensors_by_seed, latent_shape, profile_path, *, signal, steps, solver,
+          shift, thresholds):
+    """[[threshold, mean final-latent rel L2 vs uncached, mean computed fraction]] with the
+    fitted profile, on the calibration samples: the curve budgeted mode reads."""
+    from .fidelity import fidelity
+
+    def once(tensors, seed, config):
+        sample = make_sample(backend, pipe, tensors, latent_shape, image=pipe.task == "i2v",
+                             seed=seed)
+        traj = sample_once(backend, config, sample, solver=solver, steps=steps, shift=shift)
+        computed = sum(r["action"] == "compute" for r in traj.gate.telemetry.trace)
+        return backend.get(traj.latents), computed / len(traj.gate.telemetry.trace)
+
+    refs = {seed: once(t, seed, CMConfig(teacache=TeaCacheConfig(threshold=0.0, signal=signal)))[0]
+            for seed, t in tensors_by_seed.items()}
+    curve = []
+    for threshold in thresholds:
+        config = CMConfig(teacache=TeaCacheConfig(threshold=float(threshold),
+                                                  policy=f"poly:{profile_path}"))
+        runs = [once(t, seed, config) for seed, t in tensors_by_seed.items()]
+        errors = [fidelity(latents, refs[seed])["rel_l2"]
+                  for (latents, _), seed in zip(runs, tensors_by_seed, strict=True)]
+        curve.append([float(threshold), float(np.mean(errors)),
+                      float(np.mean([f for _, f in runs]))])
+    return curve
+
+
 def fit(pairs, degree: int) -> dict:
     """Coefficients (highest power first) over all pairs and per expert, with R^2."""
     def one(points):
@@ -90,6 +117,9 @@ def main(argv=None) -> int:
     ap.add_argument("--degree", type=int, default=4)
     ap.add_argument("--backend", choices=("jax", "torch"), default="torch")
     ap.add_argument("--out", required=True, help="profile JSON to write")
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="also measure N thresholds (final-latent error and computed fraction "
+                         "against uncached) for budgeted mode (--budget_rel_err/--budget_speedup)")
     args = ap.parse_args(argv)
     from .stage2 import load_models
 
@@ -115,14 +145,27 @@ def main(argv=None) -> int:
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
         **result,
     }
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(profile, f, indent=1)
-    os.replace(tmp, args.out)
+    _write(args.out, profile)
+    if args.sweep:
+        thresholds = np.geomspace(0.01, 2.0, args.sweep)
+        profile["budget_curve"] = sweep(backend, pipe, tensors, shape, args.out,
+                                        signal=args.teacache_signal, steps=steps,
+                                        solver=pipe.solver, shift=pipe.shift, thresholds=thresholds)
+        profile["budget_steps"] = steps
+        _write(args.out, profile)
     print(f"{len(pairs)} calls; fit R^2 {result['r2']:.3f}"
           + "".join(f", {e} {r:.3f}" for e, r in result["experts_r2"].items())
           + f"; wrote {args.out}")
+    for threshold, error, fraction in profile.get("budget_curve", []):
+        print(f"  threshold {threshold:.4f}: rel L2 {error:.2e}, computed {fraction:.2f}")
     return 0
+
+
+def _write(path, profile):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(profile, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
 from modules.registry import build_model
 
+from .budget import BudgetError, load_curve, threshold_for
 from .fidelity import fidelity
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from .run import make_sample, sample_once
@@ -81,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "'none' turns it off)")
     g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
                    help="sequence-parallel group size (default 1)")
+    g = parser.add_argument_group("budgeted mode (needs --teacache_policy poly:<calibrated profile>)")
+    g.add_argument("--budget_rel_err", type=float, help="final-latent relative L2 error to stay "
+                   "within (picks the TeaCache threshold from the profile's sweep)")
+    g.add_argument("--budget_speedup", type=float, help="computed-call reduction to reach")
     g = parser.add_argument_group("reporting")
     g.add_argument("--telemetry_json", help="write the summary and per-call decision trace here")
     g.add_argument("--compare", action="store_true",
@@ -141,6 +146,20 @@ def resolve(args) -> dict:
     config = config_from_args(args)
     if args.backend != "torch" and (args.torch_compile or args.offload_model or args.device):
         raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
+    budget = None
+    if args.budget_rel_err is not None or args.budget_speedup is not None:
+        policy = config.teacache.policy if config.teacache is not None else ""
+        if not policy.startswith("poly:") or not policy.endswith(".json"):
+            raise UsageError("--budget_rel_err/--budget_speedup need --teacache --teacache_policy "
+                             "poly:<profile.json> calibrated with --sweep")
+        curve, budget_steps = load_curve(policy[5:])
+        threshold, err, fraction = threshold_for(curve, rel_err=args.budget_rel_err,
+                                                 speedup=args.budget_speedup)
+        config = dataclasses.replace(config, teacache=dataclasses.replace(config.teacache,
+                                                                          threshold=threshold))
+        budget = {"rel_err": args.budget_rel_err, "speedup": args.budget_speedup,
+                  "threshold": threshold, "predicted_rel_err": err,
+                  "predicted_computed_fraction": fraction, "calibrated_steps": budget_steps}
     if args.offload_model and args.cache_offload is None:
         # Seed 000: with the model offloaded, residuals wait on the host and move on use.
         config = dataclasses.replace(config, offload="cpu")
@@ -179,7 +198,8 @@ def resolve(args) -> dict:
         tensors = pipe.synthesize(latent_shape, cfg_on, image, seed)
     output_dir = args.output_dir or args.input_dir or "stage_outputs"
     dtype = DTYPES[args.dtype or ("bf16" if args.model_path else "fp32")]
-    return dict(pipe=pipe, config=config, steps=steps, seed=seed, shift=shift, guidance=guidance,
+    return dict(pipe=pipe, config=config, steps=steps, seed=seed, budget=budget, shift=shift,
+                guidance=guidance,
                 solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
                 size=(int(height), int(width), int(frames)), tensors=tensors, stage1=stage1,
                 image=image, output_dir=output_dir, dtype=dtype)
@@ -330,6 +350,7 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
                                           plan.bn_blocks),
             "estimated": (mean(full) * len(stats.step_seconds) / stats.wall_seconds) if full else None,
         },
+        "budget": r["budget"],
         "summary": summary,
         "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
     }
@@ -398,6 +419,13 @@ def format_summary(report: dict) -> str:
     est = s["estimated"]
     lines.append(f"speedup: {'-' if est is None else f'{est:.2f}x'} estimated (full-step rate), "
                  f"schedule ideal {s['schedule_ideal']:.2f}x (blocks run)")
+    if report.get("budget"):
+        b = report["budget"]
+        target = (f"rel L2 <= {b['rel_err']}" if b["rel_err"] is not None
+                  else f"speedup {b['speedup']}x")
+        lines.append(f"budget: {target} -> TeaCache threshold {b['threshold']:.4f} (calibration "
+                     f"predicts rel L2 {b['predicted_rel_err']:.2e}, computed "
+                     f"{b['predicted_computed_fraction']:.2f}); --compare measures it")
     if "compare" in report:
         cmp = report["compare"]
         lines.append(f"compare: uncached loop {cmp['uncached_loop_seconds']:.2f} s -> speedup "
@@ -409,4 +437,4 @@ def format_summary(report: dict) -> str:
 
 
 ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
-          SchedulerError, ops.OpError)
+          SchedulerError, ops.OpError, BudgetError)

@@ -57,3 +57,33 @@ def test_a_bad_profile_file_is_a_config_error(tmp_path):
         TeaCacheConfig(policy=f"poly:{path}")
     with pytest.raises(ConfigError, match="calibrated profile file"):
         TeaCacheConfig(policy=f"poly:{tmp_path / 'missing.json'}")
+
+
+@pytest.mark.parametrize("model", ["hunyuanvideo-tiny", "wan-tiny-ti2v"])
+def test_budgeted_mode_meets_a_relative_error_budget_within_20_percent(tmp_path, model):
+    from sampling.stage2 import build_parser, run
+    path = tmp_path / "profile.json"
+    assert calibrate.main(["--model", model, "--samples", "1", "--num_inference_steps", "16",
+                           "--sweep", "8", "--out", str(path)]) == 0
+    curve = json.loads(path.read_text())["budget_curve"]
+    errors = [e for _, e, _ in curve if e > 0]
+    assert errors, "the sweep never skipped"
+    budget = errors[len(errors) // 2] * 1.1  # a budget between two measured points
+    args = build_parser().parse_args([
+        "--model", model, "--backend", "torch", "--teacache", "--teacache_policy", f"poly:{path}",
+        "--budget_rel_err", str(budget), "--compare", "--seed", "0", "--num_inference_steps",
+        "16", "--output_dir", str(tmp_path / "out"), "--no_progress"])
+    report = run(args)
+    achieved = report["compare"]["rel_l2"]
+    assert 0.8 * budget <= achieved <= 1.2 * budget, (budget, achieved, curve)
+    assert report["budget"]["threshold"] > 0 and report["time"]["cached_steps"] > 0
+
+
+def test_budget_requests_are_checked():
+    from sampling.budget import BudgetError, threshold_for
+    curve = [[0.01, 0.0, 1.0], [0.1, 0.01, 0.5], [1.0, 0.05, 0.2]]
+    assert threshold_for(curve, rel_err=0.02) == (0.1, 0.01, 0.5)
+    assert threshold_for(curve, rel_err=0.001) == (0.01, 0.0, 1.0)
+    assert threshold_for(curve, speedup=2.0) == (0.1, 0.01, 0.5)
+    with pytest.raises(BudgetError, match="one target"):
+        threshold_for(curve, rel_err=0.1, speedup=2.0)
