@@ -146,7 +146,7 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
     observe(step, branch, expert, output): sees every model output (calibration)."""
     pipe, stats = sample.pipeline, LoopStats()
     timesteps = scheduler.timesteps
-    meanflow = getattr(pipe.config, "use_meanflow", False)
+    meanflow = pipe.meanflow
     lincomb = folding(backend.lincomb)
     x, previous = sample.noise, None
     if sample.first_frame is not None:

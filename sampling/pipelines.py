@@ -52,6 +52,15 @@ class Pipeline:
     def moe(self) -> bool:
         return self.boundary is not None
 
+    @property
+    def meanflow(self) -> bool:
+        """The step-distilled HunyuanVideo-1.5 reads the next timestep too (T23)."""
+        return getattr(self.config, "use_meanflow", False)
+
+    def ti2v_image(self, image: bool) -> bool:
+        """Wan2.2 TI2V with a first frame: per-token timesteps and frame write-back (T10)."""
+        return self.family == "wan" and self.task == "ti2v" and image
+
     def expert_at(self, t: float) -> str | None:
         if not self.moe:
             return self.experts[0][0]
@@ -152,13 +161,13 @@ class Pipeline:
 
     def first_frame(self, tensors: dict, image: bool):
         """TI2V image mode: the clean first-frame latent written back after every step (T10)."""
-        if self.family == "wan" and self.task == "ti2v" and image:
+        if self.ti2v_image(image):
             return tensors["image_latents"].float()
         return None
 
     def timestep_input(self, t: float, latent_shape, image: bool) -> torch.Tensor:
         """The model's timestep for one call: [1], or [1, L] with frame-0 tokens at 0 (TI2V image)."""
-        if not (self.family == "wan" and self.task == "ti2v" and image):
+        if not self.ti2v_image(image):
             return torch.tensor([t], dtype=torch.float32)
         f, h, w = (n // p for n, p in zip(latent_shape[2:], self.config.patch_size, strict=True))
         per_token = torch.full((1, f * h * w), t, dtype=torch.float32)

@@ -36,7 +36,7 @@ def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *
         host = {"pair": {k: torch.cat([host["uncond"][k], host["cond"][k]]) for k in host["cond"]}}
     conds = {b: {k: backend.put(v) for k, v in kw.items()} for b, kw in host.items()}
     names = tuple(next(iter(conds.values())))
-    if getattr(pipe.config, "use_meanflow", False):
+    if pipe.meanflow:
         names += ("timestep_r",)
     backend.prepare(names, static, (2 if fused_cfg else 1, *latent_shape[1:]))
     first = pipe.first_frame(tensors, image)
@@ -51,12 +51,12 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     pipe = sample.pipeline
     t = backend.put(pipe.timestep_input(scheduler.timesteps[0], sample.latent_shape, sample.image))
     conds = dict(next(iter(sample.conds.values())))  # what the programs were built for
-    if getattr(pipe.config, "use_meanflow", False):
+    if pipe.meanflow:
         conds["timestep_r"] = backend.put(torch.tensor([0.0]))
     expert = pipe.experts[0][0]  # the JAX experts share their programs
     backend.activate(expert)
     hidden, ctx, signals, r1 = backend.probe(expert, sample.noise, t, conds, None)
-    if plan.kinds:
+    if plan.fields:
         backend.read_signals(signals)
     if plan.needs_reference:
         backend.probe(expert, sample.noise, t, conds, r1)

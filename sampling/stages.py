@@ -216,3 +216,8 @@ class Tail(_Stage):
         # A batched (fused CFG) call hands back one output per sample, so the loop combines
         # them without slicing on the device.
         return out if out.shape[0] == 1 else tuple(out.split(1))
+
+
+def stages_for(model, plan: SignalPlan, cond_names, static: dict, grid):
+    """(probe, middle, tail) of one model for one input shape: what every backend runs."""
+    return Probe(model, plan, cond_names, static), Middle(model, plan), Tail(model, plan, grid)

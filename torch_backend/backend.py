@@ -12,7 +12,7 @@ import torch
 
 from modules import ops
 from sampling.loop import CompileCounts
-from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape
+from sampling.stages import SignalPlan, reference_shape, stages_for
 
 HOST = torch.device("cpu")  # where offloaded models wait
 
@@ -129,8 +129,8 @@ class TorchBackend:
         self.zero_reference = torch.zeros(
             reference_shape(self.template, latent_shape[0], grid, self.plan), device=self.device)
         wrap = (lambda m: torch.compile(m, dynamic=False)) if self.compile else (lambda m: m)
-        self.stages = {e: tuple(wrap(s) for s in (Probe(m, self.plan, self.cond_names, static),
-                                                    Middle(m, self.plan), Tail(m, self.plan, grid)))
+        self.stages = {e: tuple(wrap(s) for s in stages_for(m, self.plan, self.cond_names, static,
+                                                             grid))
                        for e, m in self.models.items()}
 
     def device_name(self) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from modules import ops
-from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape
+from sampling.stages import SignalPlan, reference_shape, stages_for
 
 from . import attention
 from .compile import compile_counts
@@ -160,8 +160,7 @@ class JaxBackend:
         self.rope = tuple(self.put(r) for r in model.rope(grid))
         self.zero_reference = jnp.zeros(reference_shape(model, latent_shape[0], grid, plan),
                                         jnp.float32)
-        stages = (Probe(model, plan, self.cond_names, static), Middle(model, plan),
-                  Tail(model, plan, grid))
+        stages = stages_for(model, plan, self.cond_names, static, grid)
         self._programs, self._weights_of = [], []
         for stage in stages:
             program, names = self._jit(stage)
