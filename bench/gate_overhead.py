@@ -55,7 +55,7 @@ def one_run(config: CMConfig, steps: int) -> tuple[float, int, int]:
         for branch in branches:
             gate.begin_step(branch)
             decision = gate.decide({"cond": sig, "uncond": sig} if branch == PAIR else sig)
-            out, _, decision = gate.apply(decision, h)
+            out, _, decision, _ = gate.apply(decision, h)
             if not decision.skip:
                 gate.update(decision, h, h)
             calls += 1

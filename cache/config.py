@@ -54,6 +54,13 @@ class CMConfig:
     # metrics, else 0). Tail blocks (Bn) run on every call; None = 1 with DeepCache (seed 003), else 0.
     fn_blocks: int | None = None
     bn_blocks: int | None = None
+    # Of the Bn tail blocks, the ones (indices in [0, Bn)) that run on reuse steps; each run of
+    # the others adds its own residual stored at the last compute (seed 002 bn_ids, as cache-dit's
+    # Bn_compute_blocks_ids). Empty = every tail block runs.
+    bn_ids: tuple[int, ...] = ()
+    # Control guard (seed 002): compute whenever a branch's conditioning changed by more than this
+    # relative L1 since its last call (a new image latent mid-run); 0 = off.
+    ctrl_guard: float = 0.0
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     offload: str = "auto"
     offload_watermark: float = 0.9  # fraction of device memory in use that sends caches to the host
@@ -100,14 +107,49 @@ class CMConfig:
         if self.fn_blocks == 0 and self.fbcache is not None and self.fbcache.needs_block0:
             raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
                               f"set fn_blocks >= 1 or leave it unset")
+        self._check_bn_ids()
         noise_adapt.check(self.noise_adapt)
         check_float("CMConfig", "scene_guard", self.scene_guard)
+        check_float("CMConfig", "ctrl_guard", self.ctrl_guard)
         check_int("CMConfig", "forecast", self.forecast)
         if self.forecast > 2:
             raise ConfigError(f"CMConfig.forecast is the forecasting order 0, 1 or 2; got {self.forecast}")
         for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_bn_ids(self) -> None:
+        ids = self.bn_ids
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise ConfigError(f"CMConfig.bn_ids must be a sequence of tail-block indices, got {ids!r}")
+        ids = tuple(ids)
+        for i in ids:
+            check_int("CMConfig", "bn_ids entry", i)
+        bn = self.tail_blocks
+        if ids and bn == 0:
+            raise ConfigError(f"CMConfig.bn_ids {ids} selects tail blocks but there are none; "
+                              f"set bn_blocks >= {max(ids) + 1}")
+        bad = [i for i in ids if i >= bn]
+        if bad or len(set(ids)) != len(ids):
+            raise ConfigError(f"CMConfig.bn_ids must be distinct indices in [0, {bn}) of the tail "
+                              f"window (bn_blocks={bn}), got {ids}")
+        object.__setattr__(self, "bn_ids", tuple(sorted(ids)))
+
+    @cached_property
+    def tail_runs(self) -> tuple[tuple[int, int], ...]:
+        """Runs [start, stop) of tail-window indices that reuse their own residual on a reuse
+        step (empty without bn_ids). The gate keeps one residual per run."""
+        if not self.bn_ids:
+            return ()
+        runs, start = [], None
+        for i in range(self.tail_blocks + 1):
+            reused = i < self.tail_blocks and i not in self.bn_ids
+            if reused and start is None:
+                start = i
+            elif not reused and start is not None:
+                runs.append((start, i))
+                start = None
+        return tuple(runs)
 
     @cached_property
     def modes(self) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ class Reason(StrEnum):
     NO_MODE = "no_mode"  # compute: no caching technique is enabled
     DRY_RUN = "dry_run"  # compute: the gate would have skipped, but the run is a dry run
     SCENE_CHANGE = "scene_change"  # compute: the latent jumped more than scene_guard since last step
+    CONTROL_CHANGE = "control_change"  # compute: the conditioning changed more than ctrl_guard
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class Signals:
             itself for `residual_tensor_rel_l1` (None there when the backend had no reference).
         latent_delta: relative L1 change of the latent since the previous step (None at the
             first step), read by the scene-change guard.
+        control_delta: relative L1 change of the branch's conditioning since its previous call
+            (None or 0 when it did not change), read by the control guard.
         reduce_error: the backend's reduction failed; the values are the local ones.
         reduced_over: how many shards the backend reduced over (checked against sp_world_size).
     """
@@ -69,6 +72,7 @@ class Signals:
     teacache: float | None = None
     fbcache: float | None = None
     latent_delta: float | None = None  # mean |x_t - x_prev| / mean |x_prev| (scene guard)
+    control_delta: float | None = None  # mean |c - c_prev| / mean |c_prev| (control guard)
     reduce_error: bool = False
     reduced_over: int | None = None
 
@@ -118,6 +122,7 @@ class Applied(NamedTuple):
     x: object
     resume_from_block: int
     decision: Decision
+    tail: tuple = ()  # on a skip with bn_ids: one residual per reused tail run, in order
 
 
 def is_finite(value: float | None) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
-from .validate import check_choice, check_float, check_int
+from .validate import ConfigError, check_choice, check_float, check_int
 
 MODE = "fb"
 SIGNAL_FIELD = "fbcache"
@@ -35,12 +35,21 @@ class FBCacheConfig:
     metric: str = "hidden_rel_l1"
     downsample: int = 1
     ema: float = 0.0
+    # Token saliency (seed 002): the tensor metric averages only over tokens whose own relative
+    # change exceeds this, so a small moving region is not diluted by a static background (the
+    # full mean when no token exceeds it); 0 = every token.
+    saliency: float = 0.0
 
     def __post_init__(self):
         check_float("FBCacheConfig", "threshold", self.threshold)
         check_choice("FBCacheConfig", "metric", self.metric, METRICS)
         check_int("FBCacheConfig", "downsample", self.downsample, minimum=1)
         check_float("FBCacheConfig", "ema", self.ema, below=1.0)
+        check_float("FBCacheConfig", "saliency", self.saliency)
+        if self.saliency > 0 and self.metric not in TENSOR_METRICS:
+            raise ConfigError(f"FBCacheConfig.saliency weights tokens of a tensor metric "
+                              f"({', '.join(TENSOR_METRICS)}); metric {self.metric!r} is a scalar "
+                              f"signature")
 
     @property
     def needs_block0(self) -> bool:

@@ -39,6 +39,13 @@ def _order(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _limits(text: str) -> dict:
     """Seed 002's --teacache_limits 'max_cached=N,max_continuous=M'."""
     out = {}
@@ -84,6 +91,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fb_metric", choices=METRICS, help=d(FBCacheConfig, "metric"))
     g.add_argument("--fb_downsample", type=int, help=d(FBCacheConfig, "downsample"))
     g.add_argument("--fb_ema", type=float, help=d(FBCacheConfig, "ema"))
+    g.add_argument("--fb_saliency", "--teacache_saliency", dest="fb_saliency", type=float,
+                   help="average the residual_tensor_rel_l1 metric over tokens whose own relative "
+                        "change exceeds this " + d(FBCacheConfig, "saliency"))
 
     g = parser.add_argument_group("caching: lifecycle, CFG pairs, limits, structure, offload")
     g.add_argument("--cache_warmup", "--teacache_warmup", "--fb_warmup", dest="cache_warmup",
@@ -107,6 +117,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fn_blocks", type=int, help="probe blocks (default: what the metric needs)")
     g.add_argument("--bn_blocks", "--teacache_bn", dest="bn_blocks", type=int,
                    help="tail blocks run on every step (default 1 with DeepCache, else 0)")
+    g.add_argument("--bn_ids", "--teacache_bn_ids", dest="bn_ids", type=_ids,
+                   help="comma-separated tail blocks (indices in [0, Bn)) that run on reuse steps; "
+                        "the others reuse their own residual (default: all run)")
+    g.add_argument("--ctrl_guard", "--teacache_ctrl_guard", dest="ctrl_guard", type=float,
+                   help="compute when a branch's conditioning changed by more than this relative "
+                        "L1 since its last call " + d(CMConfig, "ctrl_guard") + "; 0 = off")
     g.add_argument("--cache_offload", "--teacache_offload", dest="cache_offload", choices=OFFLOAD,
                    help=d(CMConfig, "offload"))
     g.add_argument("--offload_watermark", type=float, help=d(CMConfig, "offload_watermark"))
@@ -160,7 +176,8 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
         "fbcache": {"threshold": ("--fb_thresh", args.fb_thresh),
                     "metric": ("--fb_metric", args.fb_metric),
                     "downsample": ("--fb_downsample", args.fb_downsample),
-                    "ema": ("--fb_ema", args.fb_ema)},
+                    "ema": ("--fb_ema", args.fb_ema),
+                    "saliency": ("--fb_saliency", args.fb_saliency)},
     }
     classes = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig}
     techniques = {}
@@ -202,5 +219,7 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
             dry_run=args.dry_run,
             forecast=args.forecast,
             scene_guard=args.scene_guard,
+            bn_ids=args.bn_ids,
+            ctrl_guard=args.ctrl_guard,
         )},
     )

@@ -4,9 +4,9 @@ Per model call:
     gate.begin_step(branch, expert=None)      # cond/uncond (or PAIR when CFG is fused)
     signals = <probe program>                 # scalars already reduced over the sequence group
     decision = gate.decide(signals)
-    h, resume, decision = gate.apply(decision, h)   # skip: h + cached residual
+    h, resume, decision, tail = gate.apply(decision, h)   # skip: h + cached residual
     if not decision.skip: run blocks [resume, N - Bn); gate.update(decision, h_before, h_after)
-    <tail program>
+    <tail program>      # with bn_ids: reused tail runs add `tail` (skip) or hand theirs to update
 
 Each technique module (teacache, fbcache, deepcache) has the same parts: a config, a frozen state,
 `measure(config, state, signal) -> (rel, state, invalid)`, `judge(config, state, rel, call) ->
@@ -48,6 +48,7 @@ class BranchState:
     tech: dict[str, Any]
     limits: limits.LimitsState = field(default_factory=limits.LimitsState)
     slot: Slot = field(default_factory=Slot)
+    tail: list[Slot] = field(default_factory=list)  # one per reused tail run (bn_ids)
     probe: Any = None  # first-block residual of the last computed step (residual_tensor_rel_l1)
     row: dict | None = None  # its last trace row, amended if apply() turns a skip into a compute
     last: Decision | None = None
@@ -181,7 +182,8 @@ class CacheManager:
                 return self._fallback(call, FailSafe.LIFECYCLE_GUARD)
             return self._finish(call, state, lead.action, Reason.FOLLOW_LEADER, lead.mode, votes, signals)
 
-        forced = self._forced(call) or self._scene_change(per_branch)
+        forced = self._forced(call) or self._scene_change(per_branch) or \
+            self._control_change(call, state, per_branch)
         if forced is not None:
             return self._finish(call, state, COMPUTE, forced, None, votes, signals)
         chosen = next((m for m in cfg.modes if votes[m].skip), None)
@@ -198,6 +200,15 @@ class CacheManager:
         guard = self.config.scene_guard
         deltas = [s.latent_delta for s in per_branch if s.latent_delta is not None]
         return Reason.SCENE_CHANGE if guard > 0 and deltas and max(deltas) > guard else None
+
+    def _control_change(self, call: Call, state: BranchState, per_branch) -> Reason | None:
+        guard = self.config.ctrl_guard
+        deltas = [s.control_delta for s in per_branch if s.control_delta is not None]
+        if not (guard > 0 and deltas and max(deltas) > guard):
+            return None
+        # a new condition restarts the alternating pattern (seed 002)
+        state.limits = replace(state.limits, eligible=0)
+        return Reason.CONTROL_CHANGE
 
     def _forced(self, call: Call) -> Reason | None:
         if call.phase_step < self.config.warmup:
@@ -274,10 +285,18 @@ class CacheManager:
             if state is None:
                 after = self._convert(decision, None, FailSafe.LIFECYCLE_GUARD)
                 return Applied(x, decision.resume_from_block, after)
-            residual, failure = state.slot.fetch(self.ops, x, decision.step, self.config.forecast)
-            if failure is not None:
-                return Applied(x, decision.resume_from_block, self._convert(decision, state, failure))
-            return Applied(self.ops.add(x, residual), decision.resume_from_block, decision)
+            if len(state.tail) != len(self.config.tail_runs):
+                return Applied(x, decision.resume_from_block,
+                               self._convert(decision, state, FailSafe.MISSING_RESIDUAL))
+            residuals = []
+            for slot in (state.slot, *state.tail):
+                residual, failure = slot.fetch(self.ops, x, decision.step, self.config.forecast)
+                if failure is not None:
+                    return Applied(x, decision.resume_from_block,
+                                   self._convert(decision, state, failure))
+                residuals.append(residual)
+            return Applied(self.ops.add(x, residuals[0]), decision.resume_from_block, decision,
+                           tuple(residuals[1:]))
         except Exception:  # noqa: BLE001
             return Applied(x, decision.resume_from_block,
                            self._convert(decision, self._current(decision), FailSafe.INTERNAL_ERROR))
@@ -297,15 +316,27 @@ class CacheManager:
             self.telemetry.count_pair_divergence(after, recorded_as_skip=True)
         return after
 
-    def update(self, decision: Decision, x_before, x_after, probe=None) -> None:
-        """After a compute: cache x_after - x_before (and the probe's first-block residual)."""
+    def update(self, decision: Decision, x_before, x_after, probe=None, tail=()) -> None:
+        """After a compute: cache x_after - x_before (and the probe's first-block residual, and
+        with bn_ids the residual of each reused tail run, computed by the tail program)."""
         try:
             state = self._current(decision)
             if state is None or decision.skip:
                 self.telemetry.count_failsafe(FailSafe.LIFECYCLE_GUARD, decision)
                 return
-            state.slot.store(self.ops, self.ops.sub(x_after, x_before), decision.step,
-                             keep=self.config.forecast)
+            keep = self.config.forecast
+            state.slot.store(self.ops, self.ops.sub(x_after, x_before), decision.step, keep=keep)
+            runs = len(self.config.tail_runs)
+            if len(tail) != runs:  # a missing tail residual would let a skip reuse a stale one
+                for slot in state.tail:
+                    slot.drop()
+                if runs:
+                    self.telemetry.count_failsafe(FailSafe.MISSING_RESIDUAL, decision)
+            else:
+                while len(state.tail) < runs:
+                    state.tail.append(Slot())
+                for slot, residual in zip(state.tail, tail, strict=True):
+                    slot.store(self.ops, residual, decision.step, keep=keep)
             if probe is not None:
                 state.probe = probe
             self._place(state)
@@ -334,29 +365,35 @@ class CacheManager:
         for state in self._branches.values():
             self._move_state(state, device)
 
+    def _move_slot(self, slot: Slot, device, last: Decision | None) -> None:
+        if slot.residual is None:
+            return
+        moved, failure = move(self.ops, slot.residual, device)
+        if failure is not None:
+            slot.drop()
+            self.telemetry.count_failsafe(failure, last)
+            return
+        slot.residual = moved
+        earlier = []
+        for step, r in slot.earlier:
+            r, failure = move(self.ops, r, device)
+            if failure is not None:  # forecasting falls back to plain reuse
+                earlier = []
+                break
+            earlier.append((step, r))
+        slot.earlier = earlier
+
     def _move_state(self, state: BranchState, device) -> None:
         try:
-            if state.slot.residual is not None:
-                moved, failure = move(self.ops, state.slot.residual, device)
-                if failure is not None:
-                    state.slot.drop()
-                    self.telemetry.count_failsafe(failure, state.last)
-                else:
-                    state.slot.residual = moved
-                    earlier = []
-                    for step, r in state.slot.earlier:
-                        r, failure = move(self.ops, r, device)
-                        if failure is not None:  # forecasting falls back to plain reuse
-                            earlier = []
-                            break
-                        earlier.append((step, r))
-                    state.slot.earlier = earlier
+            for slot in (state.slot, *state.tail):
+                self._move_slot(slot, device, state.last)
             if state.probe is not None:
                 state.probe, failure = move(self.ops, state.probe, device)
                 if failure is not None:
                     self.telemetry.count_failsafe(failure, state.last)
         except Exception:  # noqa: BLE001
-            state.slot.drop()
+            for slot in (state.slot, *state.tail):
+                slot.drop()
             state.probe = None
             self.telemetry.count_failsafe(FailSafe.INTERNAL_ERROR, state.last)
 

@@ -14,7 +14,7 @@ from .decision import SKIP, Decision, FailSafe
 
 TRACE_COLUMNS = ("step", "phase_step", "expert", "branch", "mode", "action", "reason", "failsafe",
                  "rel", "rescaled", "accum", "signal_teacache", "signal_fbcache",
-                 "signal_latent_delta")
+                 "signal_latent_delta", "signal_control_delta")
 
 
 @dataclass
@@ -88,6 +88,7 @@ class Telemetry:
             "signal_teacache": getattr(signals, "teacache", None),
             "signal_fbcache": getattr(signals, "fbcache", None),
             "signal_latent_delta": getattr(signals, "latent_delta", None),
+            "signal_control_delta": getattr(signals, "control_delta", None),
         }
         self.trace.append(row)
         return row

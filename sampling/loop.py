@@ -9,7 +9,7 @@ adaptive gates read one [B, K] signal tensor per model call.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 import torch
@@ -45,9 +45,11 @@ class Backend(Protocol):
     def probe(self, expert, x, t, conds: dict, reference, previous=None) -> tuple: ...
     # -> hidden, ctx, signals [B, K], r1; previous: last step's latent (None: x itself)
     def middle(self, expert, hidden, ctx): ...
-    def tail(self, expert, hidden, ctx): ...
+    def tail(self, expert, hidden, ctx): ...  # with bn_ids: (output, tail-run residuals)
+    def cached_tail(self, expert, hidden, ctx, residuals): ...  # bn_ids reuse step
     def read_signals(self, signals) -> list[list[float]]: ...  # [B][K] floats (a sync)
     def lincomb(self, terms) -> Any: ...  # sum(w * x) in fp32
+    def relative_change(self, new, old) -> float: ...  # sum|new - old| / sum|old| (a sync)
     def replace_first_frame(self, x, frame): ...
     def compile_counts(self) -> CompileCounts | None: ...  # cumulative (None: nothing compiles)
     def activate(self, expert) -> None: ...  # the expert about to run (model offload)
@@ -66,6 +68,9 @@ class Sample:
     guidance: Any = None  # None = the pipeline's default (a (low, high) pair for MoE)
     image: bool = False
     first_frame: Any = None  # TI2V image mode: clean frame-0 latent on device
+    # Conditioning that changes during sampling (a new image latent mid-run): step -> branch ->
+    # tensors replacing those of `conds` from that step on. The control guard reads the change.
+    cond_updates: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -109,9 +114,10 @@ PAIR_ORDER = ("uncond", "cond")  # batch order of a fused CFG call
 
 
 def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: LoopStats,
-               branch: str, expert, x, t, conds: dict, previous=None):
+               branch: str, expert, x, t, conds: dict, previous=None, control_delta=None):
     """One model call through the gate; returns the model output (noise/velocity prediction),
-    or for a fused CFG call (branch PAIR) the outputs of (uncond, cond)."""
+    or for a fused CFG call (branch PAIR) the outputs of (uncond, cond). control_delta: how much
+    the branch's conditioning changed since its last call (None: it did not)."""
     gate.begin_step(branch, expert)
     reference = gate.probe_reference(branch) if plan.needs_reference else None
     hidden, ctx, signals_dev, r1 = backend.probe(expert, x, t, conds, reference, previous)
@@ -128,15 +134,51 @@ def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: Lo
                 named["latent_delta"] = None  # the first step has no previous latent
             per_sample.append(Signals(**named))
         signals = per_sample[0] if branch != PAIR else dict(zip(PAIR_ORDER, per_sample, strict=True))
+    if control_delta is not None:
+        signals = replace(signals, control_delta=control_delta) if branch != PAIR else \
+            {b: replace(s, control_delta=control_delta) for b, s in signals.items()}
     decision = gate.decide(signals)
-    hidden, _, decision = gate.apply(decision, hidden)
-    if not decision.skip:
-        after = backend.middle(expert, hidden, ctx)
-        if gate.config.enabled:  # caching off never reuses: storing a residual would be waste
-            gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None)
-        hidden = after
+    applied = gate.apply(decision, hidden)
+    hidden, decision = applied.x, applied.decision
     stats.model_calls += 1
-    return backend.tail(expert, hidden, ctx), decision
+    if decision.skip:
+        if plan.tail_runs:
+            return backend.cached_tail(expert, hidden, ctx, applied.tail), decision
+        return backend.tail(expert, hidden, ctx), decision
+    after = backend.middle(expert, hidden, ctx)
+    out, tail = backend.tail(expert, after, ctx), ()
+    if plan.tail_runs:
+        out, tail = out
+    if gate.config.enabled:  # caching off never reuses: storing a residual would be waste
+        gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None, tail=tail)
+    return out, decision
+
+
+def _update_conds(backend: Backend, conds: dict, updates: dict) -> dict:
+    """Apply one step's condition updates in place; returns branch -> relative L1 change (one
+    read, at the steps where something changed only)."""
+    deltas = {}
+    for branch, new in updates.items():
+        old = conds[branch]
+        deltas[branch] = backend.relative_change([new[n] for n in new], [old[n] for n in new])
+        conds[branch] = {**old, **new}
+    return deltas
+
+
+def check_cond_updates(sample: Sample, steps: int) -> None:
+    """Before sampling: every update names a step of the run, a branch and tensors it has."""
+    for step, updates in sample.cond_updates.items():
+        if not isinstance(step, int) or not 0 <= step < steps:
+            raise ValueError(f"cond_updates step {step!r}: expected an integer in [0, {steps})")
+        for branch, new in updates.items():
+            if branch not in sample.conds:
+                raise ValueError(f"cond_updates[{step}] names branch {branch!r}; this sample has "
+                                 f"{', '.join(sample.conds)}")
+            unknown = sorted(set(new) - set(sample.conds[branch]))
+            if unknown:
+                raise ValueError(f"cond_updates[{step}][{branch!r}] replaces {unknown}, which the "
+                                 f"branch does not take; expected some of "
+                                 f"{', '.join(sample.conds[branch])}")
 
 
 def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, sample: Sample,
@@ -156,9 +198,12 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
                 for t in timesteps]
     # the step-distilled model reads the next timestep too (0 at the end, T23)
     r_inputs = [backend.put(torch.tensor([r])) for r in (*timesteps[1:], 0.0)] if meanflow else None
+    check_cond_updates(sample, len(timesteps))
+    conds = dict(sample.conds)
     start = time.perf_counter()
     for i, t in enumerate(timesteps):
         began = time.perf_counter()
+        deltas = _update_conds(backend, conds, sample.cond_updates.get(i, {}))
         expert = pipe.expert_at(t)
         backend.activate(expert)
         g = pipe.guidance_for(expert, sample.guidance)
@@ -167,13 +212,13 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
         outs, leader = {}, None
         if "pair" in sample.conds:  # fused CFG: both branches in one batch-2 call
             pair, leader = model_call(backend, gate, plan, stats, PAIR, expert, x, t_dev,
-                                      {**sample.conds["pair"], **per_step}, previous)
+                                      {**conds["pair"], **per_step}, previous, deltas.get("pair"))
             outs = dict(zip(PAIR_ORDER, pair, strict=True))
         else:
             for branch in branches(g, gate.config.cfg_compute_first):
                 outs[branch], decision = model_call(backend, gate, plan, stats, branch, expert,
-                                                    x, t_dev, {**sample.conds[branch], **per_step},
-                                                    previous)
+                                                    x, t_dev, {**conds[branch], **per_step},
+                                                    previous, deltas.get(branch))
                 leader = leader or decision
         if observe is not None:
             for branch, out in outs.items():

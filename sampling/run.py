@@ -10,7 +10,7 @@ import torch
 
 from cache import CacheManager, CMConfig
 
-from .loop import Backend, Combination, LoopStats, Sample, denoise, folding
+from .loop import Backend, Combination, LoopStats, Sample, check_cond_updates, denoise, folding
 from .pipelines import Pipeline
 from .schedulers import make_scheduler
 from .stages import SignalPlan
@@ -66,6 +66,12 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     for order in range(1, plan.forecast + 1):  # forecasts combine order + 1 residuals
         backend.ops.combine([(1.0, residual)] * (order + 1))
     out = backend.tail(expert, hidden, ctx)
+    if plan.tail_runs:  # the full tail also returns its runs' residuals; reuse adds them back
+        out, tail = out
+        backend.cached_tail(expert, hidden, ctx, tail)
+        for order in range(1, plan.forecast + 1):
+            for r in tail:
+                backend.ops.combine([(1.0, r)] * (order + 1))
     if isinstance(out, tuple):  # a fused CFG call returns (uncond, cond)
         out = out[1]
     lincomb, x = folding(backend.lincomb), sample.noise
@@ -75,6 +81,9 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
             x = dry.step(i, v, x, lincomb)
     if sample.first_frame is not None:
         x = backend.replace_first_frame(x, sample.first_frame)
+    for updates in sample.cond_updates.values():  # the control guard's change measure
+        for branch, new in updates.items():
+            backend.relative_change(list(new.values()), [sample.conds[branch][n] for n in new])
     backend.sync(x)
 
 
@@ -99,6 +108,7 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
     want = SignalPlan.from_config(config)
     if config.enabled and want != plan:
         raise ValueError(f"the backend was built for {plan}, the gate needs {want}")
+    check_cond_updates(sample, steps)
     scheduler = make_scheduler(solver, steps, shift)
     gate = CacheManager(config, backend.ops)
     gate.attach(steps)

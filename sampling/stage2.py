@@ -333,7 +333,8 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         "attention": backend.attention, "device": backend.device_name(), "backend": args.backend,
         "cache": {"modes": list(gate.config.modes), "preset": args.preset,
                   "probe_blocks": plan.fn_blocks,
-                  "tail_blocks": plan.bn_blocks, "config": gate.config.to_dict()},
+                  "tail_blocks": plan.bn_blocks, "reuse_tail_blocks": plan.reuse_tail_blocks,
+                  "config": gate.config.to_dict()},
         "branches": {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
                      for b, s in summary["branches"].items()},
         "experts": {e: {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
@@ -347,7 +348,7 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
                  "stage_seconds": seconds},
         "speedup": {
             "schedule_ideal": layer_ideal(blocks, len(full), len(cached), plan.fn_blocks,
-                                          plan.bn_blocks),
+                                          plan.reuse_tail_blocks),
             "estimated": (mean(full) * len(stats.step_seconds) / stats.wall_seconds) if full else None,
         },
         "budget": r["budget"],
@@ -393,7 +394,9 @@ def format_summary(report: dict) -> str:
         f"attention {report['attention']}",
         f"cache: {', '.join(report['cache']['modes']) or 'off'}"
         + (f"  preset {report['cache']['preset']}" if report["cache"]["preset"] else "")
-        + f"  (probe {report['cache']['probe_blocks']} blocks, tail {report['cache']['tail_blocks']})",
+        + f"  (probe {report['cache']['probe_blocks']} blocks, tail {report['cache']['tail_blocks']}"
+        + (f", {report['cache']['reuse_tail_blocks']} of them on reuse (bn_ids)"
+           if report["cache"]["reuse_tail_blocks"] != report["cache"]["tail_blocks"] else "") + ")",
     ]
     for b, v in report["branches"].items():
         lines.append(f"  {b:7s} computed {v['computed']:3d}  reused {v['reused']:3d}")

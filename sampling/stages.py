@@ -4,7 +4,10 @@
     middle  blocks [Fn, N - Bn)                                     -> hidden
     tail    blocks [N - Bn, N) + head + unpatchify                  -> model output
 
-Full = probe, middle, tail; Cached = probe, hidden + cached residual, tail. Both backends run these
+Full = probe, middle, tail; Cached = probe, hidden + cached residual, tail. With bn_ids (a subset
+of the tail window that runs on reuse steps), the full tail also returns the residual of each run
+of the other tail blocks, and a reuse step runs `cached tail`: the selected blocks, with each
+run of the others replaced by its stored residual. Both backends run these
 same bodies: torch eagerly (or compiled), JAX through torchax jit with the weights passed as
 arguments. Every stage takes positional tensors only and keeps shapes static, so one program per
 stage and input shape serves every step, both CFG branches and both Wan2.2 experts.
@@ -42,6 +45,8 @@ class SignalPlan:
     forecast: int = 0  # the gate's forecasting order: warm-up compiles its combinations
     tc_downsample: int = 1  # TeaCache's token stride over the modulated input
     scene_guard: bool = False  # report the latent's relative L1 change since the last step
+    tail_runs: tuple[tuple[int, int], ...] = ()  # reused runs of the tail window (bn_ids)
+    saliency: float = 0.0  # token-saliency threshold of the residual tensor metric (0 = off)
 
     @classmethod
     def from_config(cls, config: CMConfig) -> "SignalPlan":
@@ -52,13 +57,20 @@ class SignalPlan:
             kinds.append(("fbcache", config.fbcache.metric))
         downsample = config.fbcache.downsample if config.fbcache is not None else 1
         tc_downsample = config.teacache.downsample if config.teacache is not None else 1
+        saliency = config.fbcache.saliency if config.fbcache is not None else 0.0
         return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample,
-                   config.forecast, tc_downsample, "latent_delta" in config.needs_signals)
+                   config.forecast, tc_downsample, "latent_delta" in config.needs_signals,
+                   config.tail_runs, saliency)
 
     @property
     def fields(self) -> tuple[str, ...]:
         """The Signals field of each column of the probe's signal tensor."""
         return tuple(k for k, _ in self.kinds) + (("latent_delta",) if self.scene_guard else ())
+
+    @property
+    def reuse_tail_blocks(self) -> int:
+        """Tail blocks a reuse step runs (all Bn, or the bn_ids subset)."""
+        return self.bn_blocks - sum(b - a for a, b in self.tail_runs)
 
     @property
     def needs_reference(self) -> bool:
@@ -95,6 +107,18 @@ def reference_shape(model, batch: int, grid, plan: SignalPlan) -> tuple[int, int
 
 def _mean_abs(x):
     return x.float().abs().flatten(1).mean(1)
+
+
+def _salient_rel(r, reference, tau: float):
+    """Relative L1 of r against reference over the tokens whose own relative change exceeds tau
+    (per sample); the plain relative L1 where none does. Sums, not means, so a sequence-parallel
+    reduction can add the shards' numerators and denominators."""
+    d = (r - reference).abs().mean(-1)  # [B, L] per-token change
+    p = reference.abs().mean(-1)
+    mask = (d > tau * (p + EPS)).float()
+    salient = (d * mask).sum(1) / ((p * mask).sum(1) + EPS)
+    full = d.mean(1) / (p.mean(1) + EPS)
+    return torch.where(mask.sum(1) > 0, salient, full)
 
 
 def block_list_name(model) -> str:
@@ -171,6 +195,8 @@ class Probe(_Stage):
                               else mod.square().flatten(1).mean(1).sqrt())
             elif kind == "residual_rel_l1":
                 values.append(_mean_abs(r1))
+            elif plan.saliency > 0:  # residual_tensor_rel_l1 over the salient tokens
+                values.append(_salient_rel(r1, reference, plan.saliency))
             else:  # residual_tensor_rel_l1: distance from the residual of the last compute
                 values.append(_mean_abs(r1 - reference) / (_mean_abs(reference) + EPS))
         if delta is not None:
@@ -198,26 +224,64 @@ class Middle(_Stage):
         return hidden
 
 
-class Tail(_Stage):
-    """Blocks [N - Bn, N), head and unpatchify, for one token grid."""
+def _tree(fn, a, b):
+    """fn leaf by leaf over a hidden state (HunyuanVideo's is the pair (img, txt))."""
+    if isinstance(a, tuple):
+        return tuple(fn(x, y) for x, y in zip(a, b, strict=True))
+    return fn(a, b)
 
-    def __init__(self, model, plan: SignalPlan, grid: tuple[int, int, int]):
+
+class Tail(_Stage):
+    """Blocks [N - Bn, N), head and unpatchify, for one token grid.
+
+    With `plan.tail_runs`, the full tail (cached=False) returns (output, residuals of the runs),
+    and the cached tail takes those residuals after (hidden, ctx) and runs only the other blocks.
+    """
+
+    def __init__(self, model, plan: SignalPlan, grid: tuple[int, int, int], cached: bool = False):
         super().__init__(model)
         self.start, self.grid = model.num_blocks - plan.bn_blocks, tuple(grid)
+        self.runs = {self.start + a: self.start + b for a, b in plan.tail_runs}
+        self.cached = cached
 
     def blocks_used(self):
-        return set(range(self.start, self.model.num_blocks))
+        used = set(range(self.start, self.model.num_blocks))
+        if self.cached:
+            for a, b in self.runs.items():
+                used -= set(range(a, b))
+        return used
 
-    def forward(self, hidden, ctx):
+    def forward(self, hidden, ctx, *residuals):
         ctx = self._ctx(ctx)
-        for i in range(self.start, self.model.num_blocks):
-            hidden = self.model.block(i, hidden, ctx)
+        stored, given = [], iter(residuals)
+        i = self.start
+        while i < self.model.num_blocks:
+            stop = self.runs.get(i)
+            if stop is not None and self.cached:
+                hidden = _tree(torch.add, hidden, next(given))
+                i = stop
+                continue
+            before = hidden
+            for j in range(i, stop or i + 1):
+                hidden = self.model.block(j, hidden, ctx)
+            if stop is not None:
+                stored.append(_tree(torch.sub, hidden, before))
+            i = stop or i + 1
         out = self.model.final(hidden, ctx, self.grid)
         # A batched (fused CFG) call hands back one output per sample, so the loop combines
         # them without slicing on the device.
-        return out if out.shape[0] == 1 else tuple(out.split(1))
+        out = out if out.shape[0] == 1 else tuple(out.split(1))
+        return (out, tuple(stored)) if self.runs and not self.cached else out
 
 
-def stages_for(model, plan: SignalPlan, cond_names, static: dict, grid):
-    """(probe, middle, tail) of one model for one input shape: what every backend runs."""
-    return Probe(model, plan, cond_names, static), Middle(model, plan), Tail(model, plan, grid)
+STAGES = ("probe", "middle", "tail", "cached_tail")
+
+
+def stages_for(model, plan: SignalPlan, cond_names, static: dict, grid) -> dict[str, _Stage]:
+    """name -> stage of one model for one input shape: what every backend runs. `cached_tail`
+    exists only with bn_ids (otherwise a reuse step runs the same tail as a compute step)."""
+    out = {"probe": Probe(model, plan, cond_names, static), "middle": Middle(model, plan),
+           "tail": Tail(model, plan, grid)}
+    if plan.tail_runs:
+        out["cached_tail"] = Tail(model, plan, grid, cached=True)
+    return out

@@ -19,7 +19,7 @@ def call(gate: CacheManager, branch: str, signals=None, *, expert=None, h=None, 
     gate.begin_step(branch, expert=expert)
     decision = gate.decide(signals)
     h = np.zeros(4, np.float32) if h is None else h
-    out, _, decision = gate.apply(decision, h)
+    out, _, decision, _ = gate.apply(decision, h)
     if not decision.skip:
         out = middle_blocks(h, step)
         gate.update(decision, h, out)

@@ -69,7 +69,7 @@ def step(g, branch="cond", sig=1.0, x=None, **kw):
     g.begin_step(branch)
     d = g.decide(kw.get("signals", Signals(teacache=sig)))
     x = x if x is not None else Tensor(np.zeros(3, np.float32))
-    out, _, d = g.apply(d, x)
+    out, _, d, _ = g.apply(d, x)
     if not d.skip:
         g.update(d, x, Tensor(x.array + 1, x.device))
     return d

@@ -9,7 +9,9 @@ from cache import (
     CMConfig,
     ConfigError,
     DeepCacheConfig,
+    FailSafe,
     FBCacheConfig,
+    LimitsConfig,
     Signals,
     TeaCacheConfig,
 )
@@ -192,3 +194,63 @@ def test_scene_guard_forces_a_compute_when_the_latent_jumps():
     assert reasons[3] == reasons[7] == "scene_change"
     assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1)), 10), still)["cond"] == "CSSSSSSSSC"
     assert "latent_delta" in CMConfig(deepcache=DeepCacheConfig(), scene_guard=0.2).needs_signals
+
+
+def test_control_guard_computes_when_the_conditioning_changes_and_restarts_alternation():
+    sig = [Signals(teacache=1.0, control_delta=d) for d in
+           (None, None, None, 0.3, None, None, 0.01, None, None, None)]
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1), ctrl_guard=0.1), 10)
+    assert run(g, sig, sig) == {"cond": "CSSCSSSSSC", "uncond": "CSSCSSSSSC"}
+    reasons = [r["reason"] for r in g.telemetry.trace if r["branch"] == "cond"]
+    assert reasons[3] == "control_change" and reasons.count("control_change") == 1
+    assert [r["signal_control_delta"] for r in g.telemetry.trace if r["branch"] == "cond"][3] == 0.3
+    # guard off: the same signals reuse through the change
+    assert run(gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1)), 10), sig)["cond"] == "CSSSSSSSSC"
+    # alternating: eligible steps skip every other time; the change restarts the pattern, so the
+    # step after it (eligible again) may skip at once
+    alt = CMConfig(teacache=TeaCacheConfig(threshold=0.1), ctrl_guard=0.1,
+                   limits=LimitsConfig(alternating=True))
+    assert run(gate(alt, 10), sig)["cond"] == "CSCCSCSCSC"
+    no_change = [Signals(teacache=1.0)] * 10
+    assert run(gate(alt, 10), no_change)["cond"] == "CSCSCSCSCC"
+
+
+def test_bn_ids_keep_one_residual_per_reused_tail_run_and_hand_them_back_on_reuse():
+    config = CMConfig(deepcache=DeepCacheConfig(start=0, end=10, interval=2),
+                      bn_blocks=5, bn_ids=(3, 1))
+    assert config.bn_ids == (1, 3) and config.tail_runs == ((0, 1), (2, 3), (4, 5))
+    g = gate(config, 5)
+    h = np.zeros(3, np.float32)
+    tails = []
+    for step in range(5):
+        g.begin_step("cond")
+        applied = g.apply(g.decide(Signals()), h)
+        if applied.decision.skip:
+            tails.append(applied.tail)
+            continue
+        g.update(applied.decision, h, h + step, tail=tuple(h + 10 * step + k for k in range(3)))
+    assert [r["action"] for r in g.telemetry.trace] == ["compute", "skip", "compute", "skip", "compute"]
+    assert [[float(t[0]) for t in tail] for tail in tails] == [[0, 1, 2], [20, 21, 22]]
+    # a compute that hands back the wrong number of tail residuals cannot be reused from
+    g2 = gate(config, 3)
+    g2.begin_step("cond")
+    d = g2.decide(Signals())
+    g2.update(d, h, h + 1, tail=(h,))
+    g2.begin_step("cond")
+    applied = g2.apply(g2.decide(Signals()), h)
+    assert not applied.decision.skip and applied.decision.failsafe == FailSafe.MISSING_RESIDUAL
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(bn_ids=(0,)), "there are none"),
+    (dict(bn_blocks=2, bn_ids=(2,)), r"\[0, 2\)"),
+    (dict(bn_blocks=3, bn_ids=(1, 1)), "distinct"),
+    (dict(bn_blocks=3, bn_ids="1"), "sequence"),
+    (dict(ctrl_guard=-1.0), "ctrl_guard"),
+    (dict(fbcache=dict(saliency=0.5)), "tensor metric"),
+])
+def test_bn_ids_ctrl_guard_and_saliency_are_validated(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        if "fbcache" in kwargs:
+            kwargs = {"fbcache": FBCacheConfig(**kwargs["fbcache"])}
+        CMConfig(**kwargs)

@@ -129,8 +129,8 @@ class TorchBackend:
         self.zero_reference = torch.zeros(
             reference_shape(self.template, latent_shape[0], grid, self.plan), device=self.device)
         wrap = (lambda m: torch.compile(m, dynamic=False)) if self.compile else (lambda m: m)
-        self.stages = {e: tuple(wrap(s) for s in stages_for(m, self.plan, self.cond_names, static,
-                                                             grid))
+        self.stages = {e: {name: wrap(s) for name, s in
+                           stages_for(m, self.plan, self.cond_names, static, grid).items()}
                        for e, m in self.models.items()}
 
     def device_name(self) -> str:
@@ -152,19 +152,27 @@ class TorchBackend:
     def probe(self, expert, x, t, conds, reference, previous=None):
         ref = self.zero_reference if reference is None else reference
         prev = x if previous is None else previous
-        return self.stages[expert][0](x, t, *self.rope, ref, prev,
+        return self.stages[expert]["probe"](x, t, *self.rope, ref, prev,
                                       *(conds[n] for n in self.cond_names))
 
     @torch.no_grad()
     def middle(self, expert, hidden, ctx):
-        return self.stages[expert][1](hidden, ctx)
+        return self.stages[expert]["middle"](hidden, ctx)
 
     @torch.no_grad()
     def tail(self, expert, hidden, ctx):
-        return self.stages[expert][2](hidden, ctx)
+        return self.stages[expert]["tail"](hidden, ctx)
+
+    @torch.no_grad()
+    def cached_tail(self, expert, hidden, ctx, residuals):
+        return self.stages[expert]["cached_tail"](hidden, ctx, *residuals)
 
     def read_signals(self, signals):
         return signals.tolist()
+
+    def relative_change(self, new, old) -> float:
+        num = sum((a.float() - b.float()).abs().sum() for a, b in zip(new, old, strict=True))
+        return float(num / (sum(b.float().abs().sum() for b in old) + 1e-8))
 
     def lincomb(self, terms):
         out = None

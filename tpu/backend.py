@@ -53,6 +53,14 @@ def _tree_lincomb(weights, *trees):
 
 
 @jax.jit
+def _rel_l1(a, b):
+    """mean |a - b| / mean |b| over every leaf: the control guard's delta."""
+    num = sum(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).sum() for x, y in zip(a, b, strict=True))
+    den = sum(jnp.abs(y.astype(jnp.float32)).sum() for y in b)
+    return num / (den + 1e-8)
+
+
+@jax.jit
 def _replace_first_frame(x, frame):
     return x.at[:, :, :1].set(frame.astype(x.dtype))
 
@@ -160,16 +168,18 @@ class JaxBackend:
         self.rope = tuple(self.put(r) for r in model.rope(grid))
         self.zero_reference = jnp.zeros(reference_shape(model, latent_shape[0], grid, plan),
                                         jnp.float32)
-        stages = stages_for(model, plan, self.cond_names, static, grid)
-        self._programs, self._weights_of = [], []
-        for stage in stages:
+        self._programs, self._weights_of = {}, {}
+        for name, stage in stages_for(model, plan, self.cond_names, static, grid).items():
             program, names = self._jit(stage)
-            self._programs.append(program)
-            self._weights_of.append({e: {n: p[n] for n in names} for e, p in self.params.items()})
+            self._programs[name] = program
+            self._weights_of[name] = {e: {n: p[n] for n in names} for e, p in self.params.items()}
 
     def programs(self):
         """name -> jitted program, for compile inspection (`_cache_size()`)."""
-        return dict(zip(("probe", "middle", "tail"), self._programs, strict=True))
+        return dict(self._programs)
+
+    def _run(self, name, expert, *args):
+        return self._programs[name](self._weights_of[name][expert], *args)
 
     # --- what the loop calls --------------------------------------------------------------
 
@@ -188,16 +198,22 @@ class JaxBackend:
         ref = self.zero_reference if reference is None else reference
         prev = x if previous is None else previous
         args = (x, t, *self.rope, ref, prev, *(conds[n] for n in self.cond_names))
-        return self._programs[0](self._weights_of[0][expert], *args)
+        return self._run("probe", expert, *args)
 
     def middle(self, expert, hidden, ctx):
-        return self._programs[1](self._weights_of[1][expert], hidden, ctx)
+        return self._run("middle", expert, hidden, ctx)
 
     def tail(self, expert, hidden, ctx):
-        return self._programs[2](self._weights_of[2][expert], hidden, ctx)
+        return self._run("tail", expert, hidden, ctx)
+
+    def cached_tail(self, expert, hidden, ctx, residuals):
+        return self._run("cached_tail", expert, hidden, ctx, *residuals)
 
     def read_signals(self, signals):
         return np.asarray(signals).tolist()
+
+    def relative_change(self, new, old) -> float:
+        return float(_rel_l1(tuple(new), tuple(old)))
 
     def lincomb(self, terms):
         weights = np.asarray([w for w, _ in terms], np.float32)
