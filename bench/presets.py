@@ -8,8 +8,8 @@ on the JAX backend with CFG. For each preset (and DeepCache 11/45/4 for referenc
   wall     uncached loop time / the preset's loop time (a CPU figure: small programs, 2 cores)
   PSNR, rel L2, rel/disp   the final latents against the uncached run's; rel/disp divides the
            error by how far the uncached run moved from the initial noise (benchmark_workload.md)
-With --plot (needs matplotlib), draws each preset's per-step TeaCache change, accumulator and
-decisions for the cond branch.
+It draws each run's per-step change, accumulator and reused steps for the cond branch into
+--plot (default bench/results/presets_trace.png; matplotlib, in requirements-dev.txt).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from modules.registry import build_model  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
+from sampling.sinks import plot_traces  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from tpu.backend import JaxBackend  # noqa: E402
 
@@ -68,7 +69,7 @@ def cases(blocks: int):
 
 def blocks_fraction(traj, num_blocks, plan) -> float:
     rows = traj.gate.telemetry.trace
-    run = sum(num_blocks if r["action"] == "compute" else plan.fn_blocks + plan.bn_blocks
+    run = sum(num_blocks if r["action"] == "compute" else plan.fn_blocks + plan.reuse_tail_blocks
               for r in rows)
     return run / (len(rows) * num_blocks)
 
@@ -77,7 +78,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--blocks", type=int, default=16)
-    ap.add_argument("--plot", help="PNG path for the per-step trace plot (needs matplotlib)")
+    ap.add_argument("--plot", default="bench/results/presets_trace.png",
+                    help="PNG path for the per-step trace plot ('' for none)")
     args = ap.parse_args()
     runs = {**{p: preset_config(p) for p in PRESETS},
             "deepcache 11/45/4": CMConfig(deepcache=DeepCacheConfig())}
@@ -114,34 +116,7 @@ def main():
                   f"{f['rel_l2']:9.2e} {f['rel_to_displacement']:9.2e}")
             traces[(title, name)] = best.gate.telemetry.trace
     if args.plot:
-        plot(traces, args.plot)
-
-
-def plot(traces, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    keys = [k for k in traces if "deepcache" not in k[1]]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(9, 2.2 * len(keys)), sharex=True)
-    for ax, key in zip(axes, keys, strict=True):
-        rows = [r for r in traces[key] if r["branch"] == "cond"]
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, [r["rel"] or 0 for r in rows], label="rel")
-        ax.plot(steps, [r["accum"] or 0 for r in rows], label="accumulator")
-        ax.scatter([r["step"] for r in rows if r["action"] == "skip"],
-                   [0] * sum(r["action"] == "skip" for r in rows), marker="|", color="k",
-                   label="reused")
-        ax.set_title(f"{key[0]}: {key[1]}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper left")
-    axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+        print(f"plot: {plot_traces({f'{t}: {n}': rows for (t, n), rows in traces.items()}, args.plot)}")
 
 
 if __name__ == "__main__":

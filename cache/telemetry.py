@@ -141,11 +141,16 @@ class Telemetry:
                                                 indent=1, default=str))
 
     def write_csv(self, path: str) -> None:
-        def write(f):
-            writer = csv.DictWriter(f, fieldnames=TRACE_COLUMNS)
-            writer.writeheader()
-            writer.writerows(self.trace)
-        _atomic_write(path, write)
+        write_trace_csv(path, self.trace)
+
+
+def write_trace_csv(path: str, trace) -> None:
+    """The per-call trace as CSV, one row per model call, written atomically."""
+    def write(f):
+        writer = csv.DictWriter(f, fieldnames=TRACE_COLUMNS)
+        writer.writeheader()
+        writer.writerows(trace)
+    _atomic_write(path, write)
 
 
 def _atomic_write(path: str, write) -> None:

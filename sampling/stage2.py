@@ -19,6 +19,7 @@ import torch
 
 from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
+from cache.telemetry import write_trace_csv
 from modules import ops
 from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
@@ -29,6 +30,7 @@ from .fidelity import fidelity
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from .run import make_sample, sample_once
 from .schedulers import SOLVERS, SchedulerError
+from .sinks import format_histograms, histograms, plot_traces, write_tensorboard
 from .stage_io import EMBEDDINGS, StageFileError, read_config, read_stage1, write_stage2
 from .stages import SignalPlan
 
@@ -88,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--budget_speedup", type=float, help="computed-call reduction to reach")
     g = parser.add_argument_group("reporting")
     g.add_argument("--telemetry_json", help="write the summary and per-call decision trace here")
+    g.add_argument("--telemetry_csv", help="write the per-call decision trace here as CSV")
+    g.add_argument("--tensorboard_dir", help="write per-step signals, decisions and the rel "
+                   "histograms as TensorBoard events here (needs the tensorboard package)")
+    g.add_argument("--plot_png", help="draw per-step rel, accumulator and reused steps here")
     g.add_argument("--compare", action="store_true",
                    help="also run uncached from the same inputs; report speedup and fidelity")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -197,12 +203,26 @@ def resolve(args) -> dict:
         image = pipe.task == "i2v"
         tensors = pipe.synthesize(latent_shape, cfg_on, image, seed)
     output_dir = args.output_dir or args.input_dir or "stage_outputs"
+    for flag in ("telemetry_json", "telemetry_csv", "plot_png"):
+        _check_writable_file(flag, getattr(args, flag))
+    if args.tensorboard_dir and os.path.exists(args.tensorboard_dir) and \
+            not os.path.isdir(args.tensorboard_dir):
+        raise UsageError(f"--tensorboard_dir {args.tensorboard_dir} exists and is not a directory")
     dtype = DTYPES[args.dtype or ("bf16" if args.model_path else "fp32")]
     return dict(pipe=pipe, config=config, steps=steps, seed=seed, budget=budget, shift=shift,
                 guidance=guidance,
                 solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
                 size=(int(height), int(width), int(frames)), tensors=tensors, stage1=stage1,
                 image=image, output_dir=output_dir, dtype=dtype)
+
+
+def _check_writable_file(flag: str, path: str | None) -> None:
+    """Refuse, before sampling, a report path whose folder is missing or not writable."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
+        raise UsageError(f"--{flag} {path}: expected a file in an existing, writable folder")
 
 
 def _has_image(directory):
@@ -353,6 +373,7 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         },
         "budget": r["budget"],
         "summary": summary,
+        "histograms": histograms(gate.telemetry.trace, r["steps"]),
         "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
     }
 
@@ -383,6 +404,16 @@ def _write(r, latents, report, args):
         with open(args.telemetry_json + ".tmp", "w") as f:
             json.dump(report, f, indent=1, default=str)
         os.replace(args.telemetry_json + ".tmp", args.telemetry_json)
+    if args.telemetry_csv:
+        write_trace_csv(args.telemetry_csv, report["trace"])
+    if args.tensorboard_dir:
+        write_tensorboard(args.tensorboard_dir, report["trace"], r["steps"])
+    if args.plot_png:
+        cfg = r["config"]
+        tech = cfg.teacache or cfg.fbcache
+        plot_traces({f"{pipe.name} {'+'.join(cfg.modes) or 'off'}": report["trace"]},
+                    args.plot_png, {f"{pipe.name} {'+'.join(cfg.modes) or 'off'}":
+                                    tech.threshold if tech is not None else None})
 
 
 def format_summary(report: dict) -> str:
@@ -410,6 +441,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  resolved: {shown}, limits {cfg['limits']}")
     if report["failsafes"]:
         lines.append(f"  fail-safes: {report['failsafes']}")
+    lines += format_histograms(report.get("histograms", {}))
     w, lp = c["warmup"], c["loop"]
     if w is None:
         lines.append(f"compiles: none (eager); warm-up {c['warmup_seconds']:.1f} s")
