@@ -55,6 +55,14 @@ def unregister(op: str, name: str) -> None:
         select(**{op: DEFAULTS[op]})
 
 
+def implementation(op: str, name: str) -> Callable:
+    """The function registered as `name` for `op` (a wrapper calls it around its own work)."""
+    _check_op(op)
+    if name not in _IMPLS[op]:
+        raise OpError(f"no implementation {name!r} of op {op!r}; registered: {sorted(_IMPLS[op])}")
+    return _IMPLS[op][name]
+
+
 def implementations(op: str) -> tuple[str, ...]:
     _check_op(op)
     return tuple(_IMPLS[op])

@@ -27,6 +27,7 @@ from torch import nn
 from cache import CMConfig
 from modules.hunyuan_video15 import HunyuanContext, HunyuanVideo15DiT
 from modules.wan import WanContext, WanDiT
+from sharding import layout
 
 EPS = 1e-8
 
@@ -109,16 +110,44 @@ def _mean_abs(x):
     return x.float().abs().flatten(1).mean(1)
 
 
-def _salient_rel(r, reference, tau: float):
+class _TokenSums:
+    """Per-token [B, L] columns whose sums over the sequence the probe needs; a layout reduces
+    them all at once (one collective under sequence parallelism)."""
+
+    def __init__(self):
+        self.columns = []
+
+    def add(self, per_token, stride: int = 1) -> tuple[int, int]:
+        """Queue per_token (every stride-th token counted); returns (column, tokens counted)."""
+        tokens = per_token.shape[1]
+        if stride > 1:
+            keep = (torch.arange(tokens, device=per_token.device) % stride == 0).to(per_token.dtype)
+            per_token = per_token * keep
+        self.columns.append(per_token)
+        return len(self.columns) - 1, math.ceil(tokens / stride)
+
+
+def _salient_rel(sums: _TokenSums, r, reference, tau: float):
     """Relative L1 of r against reference over the tokens whose own relative change exceeds tau
-    (per sample); the plain relative L1 where none does. Sums, not means, so a sequence-parallel
-    reduction can add the shards' numerators and denominators."""
+    (per sample); the plain relative L1 where none does. Sums, not means, so the shards of a
+    sequence-parallel run add their numerators, denominators and counts."""
     d = (r - reference).abs().mean(-1)  # [B, L] per-token change
     p = reference.abs().mean(-1)
-    mask = (d > tau * (p + EPS)).float()
-    salient = (d * mask).sum(1) / ((p * mask).sum(1) + EPS)
-    full = d.mean(1) / (p.mean(1) + EPS)
-    return torch.where(mask.sum(1) > 0, salient, full)
+    mask = (d > tau * (p + EPS)).to(d.dtype)
+    i, _ = sums.add(d * mask)
+    j, _ = sums.add(p * mask)
+    k, _ = sums.add(mask)
+    a, _ = sums.add(d)
+    b, _ = sums.add(p)
+
+    def finish(s):
+        return torch.where(s[:, k] > 0, s[:, i] / (s[:, j] + EPS), s[:, a] / (s[:, b] + EPS))
+    return finish
+
+
+def _tree_map(fn, hidden):
+    """fn on the image stream of a hidden state (HunyuanVideo's text stream stays whole)."""
+    return (fn(hidden[0]), *hidden[1:]) if isinstance(hidden, tuple) else fn(hidden)
 
 
 def block_list_name(model) -> str:
@@ -170,36 +199,52 @@ class Probe(_Stage):
     def forward(self, x, t, rope_cos, rope_sin, reference, previous, *conds):
         model, plan = self.model, self.plan
         kwargs = dict(zip(self.cond_names, conds, strict=True))
-        delta = _mean_abs(x - previous) / (_mean_abs(previous) + EPS) if plan.scene_guard else None
         batch = x.shape[0]
         for c in conds:  # a plain loop: dynamo breaks the graph on max(..., default=)
             batch = c.shape[0] if c.ndim and c.shape[0] > batch else batch
+        latent = x
         if x.shape[0] != batch:  # fused CFG: one latent, both branches' conditions
             x, t = x.expand(batch, *x.shape[1:]), t.expand(batch, *t.shape[1:])
         hidden, ctx = model.prepare(x, t, **kwargs, **self.static, rope=(rope_cos, rope_sin))
+        hidden = _tree_map(layout.current().shard_tokens, hidden)
         entry = hidden
         for i in range(plan.fn_blocks):
             hidden = model.block(i, hidden, ctx)
-        values, r1 = [], None
+        r1 = None
         if plan.needs_residual:
             r1 = (image_stream(hidden) - image_stream(entry))[:, ::plan.downsample].float()
+        sums = _TokenSums()
+        finish = []  # per signal: sums [B, K'] -> [B]
         for technique, kind in plan.kinds:
             if technique == "teacache":
-                sig = model.signature(kind, entry, ctx)
-                if kind == "modulated_input":
-                    sig = sig[:, ::plan.tc_downsample]
-                values.append(_mean_abs(sig))
+                sig = model.signature(kind, entry, ctx).float()
+                if sig.ndim < 3:  # a per-sample embedding: nothing to reduce over the sequence
+                    value = sig.abs().flatten(1).mean(1)
+                    finish.append(lambda s, v=value: v)
+                    continue
+                stride = plan.tc_downsample if kind == "modulated_input" else 1
+                i, n = sums.add(sig.abs().mean(-1), stride)
+                finish.append(lambda s, i=i, n=n: s[:, i] / n)
             elif kind in ("hidden_rel_l1", "hidden_rel_l2"):
-                mod = model.signature("modulated_input", entry, ctx)[:, ::plan.downsample].float()
-                values.append(_mean_abs(mod) if kind == "hidden_rel_l1"
-                              else mod.square().flatten(1).mean(1).sqrt())
+                mod = model.signature("modulated_input", entry, ctx).float()
+                per_token = mod.abs().mean(-1) if kind == "hidden_rel_l1" else mod.square().mean(-1)
+                i, n = sums.add(per_token, plan.downsample)
+                finish.append((lambda s, i=i, n=n: s[:, i] / n) if kind == "hidden_rel_l1"
+                              else (lambda s, i=i, n=n: (s[:, i] / n).sqrt()))
             elif kind == "residual_rel_l1":
-                values.append(_mean_abs(r1))
+                i, n = sums.add(r1.abs().mean(-1))
+                finish.append(lambda s, i=i, n=n: s[:, i] / n)
             elif plan.saliency > 0:  # residual_tensor_rel_l1 over the salient tokens
-                values.append(_salient_rel(r1, reference, plan.saliency))
+                finish.append(_salient_rel(sums, r1, reference, plan.saliency))
             else:  # residual_tensor_rel_l1: distance from the residual of the last compute
-                values.append(_mean_abs(r1 - reference) / (_mean_abs(reference) + EPS))
-        if delta is not None:
+                i, _ = sums.add((r1 - reference).abs().mean(-1))
+                j, _ = sums.add(reference.abs().mean(-1))
+                finish.append(lambda s, i=i, j=j: s[:, i] / (s[:, j] + EPS))
+        # one reduction over the sequence (one collective when it is sharded) for every signal
+        reduced = layout.current().token_sums(sums.columns) if sums.columns else None
+        values = [f(reduced) for f in finish]
+        if plan.scene_guard:  # the latent is whole on every shard: no reduction needed
+            delta = _mean_abs(latent - previous) / (_mean_abs(previous) + EPS)
             values.append(delta.expand(x.shape[0]))
         signals = torch.stack(values, dim=1) if values else x.new_zeros((x.shape[0], 0))
         return hidden, tuple(ctx), signals, r1 if r1 is not None else x.new_zeros(())
@@ -267,6 +312,7 @@ class Tail(_Stage):
             if stop is not None:
                 stored.append(_tree(torch.sub, hidden, before))
             i = stop or i + 1
+        hidden = _tree_map(layout.current().gather_tokens, hidden)
         out = self.model.final(hidden, ctx, self.grid)
         # A batched (fused CFG) call hands back one output per sample, so the loop combines
         # them without slicing on the device.

@@ -82,6 +82,8 @@ def test_masked_keys_do_not_contribute():
     q, k, v = (torch.randn(1, 4, 2, 8, generator=g) for _ in range(3))
     mask = torch.tensor([[True, True, False, False]])
     for name in ops.implementations("attention"):
+        if ops.implementation("attention", name).__module__.startswith(("tpu.", "sharding.")):
+            continue  # JAX lowerings take torchax tensors (tests/test_jax_attention.py)
         with ops.use(attention=name):
             full = ops.attention(q, k[:, :2], v[:, :2])
             masked = ops.attention(q, k, v * torch.tensor([1, 1, 1e6, -1e6])[None, :, None, None],

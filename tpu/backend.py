@@ -17,6 +17,8 @@ import torch
 
 from modules import ops
 from sampling.stages import SignalPlan, reference_shape, stages_for
+from sharding import layout
+from sharding.layout import Layout
 
 from . import attention
 from .compile import compile_counts
@@ -118,9 +120,14 @@ class JaxBackend:
     models: expert -> torch module (same architecture); their weights move to the device once.
     attention: an implementation name of `ops.attention` used while tracing (default: splash on
     TPU, jax.nn.dot_product_attention elsewhere).
+    mesh: a ("cfg", "sp") mesh (`sharding.jax_sp.make_mesh`) for sequence and CFG parallelism:
+    the weights and inputs are replicated over it, the probe splits the tokens over `sp` (and a
+    fused CFG pair over `cfg`), attention runs as Ulysses over `sp` around the chosen lowering,
+    and the signals are reduced with one psum. None: one device.
     """
 
-    def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None):
+    def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None,
+                 mesh=None):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         attention.install()
@@ -128,7 +135,13 @@ class JaxBackend:
         if self.attention not in ops.implementations("attention"):
             raise ops.OpError(f"--attention {self.attention!r}: expected one of "
                               f"{', '.join(ops.implementations('attention'))}")
-        self.plan = plan
+        self.plan, self.mesh = plan, mesh
+        self.layout, self._placement = Layout(), None
+        if mesh is not None:
+            from sharding import jax_sp
+            jax_sp.install()
+            self.layout = jax_sp.JaxSequenceLayout(mesh, self.attention)
+            self._placement = self.layout.replicated()
         self.template = next(iter(models.values()))
         blocks = self.template.num_blocks
         if plan.fn_blocks + plan.bn_blocks > blocks:
@@ -140,8 +153,12 @@ class JaxBackend:
 
     def _weights(self, model):
         with torch.no_grad():
-            return {f"model.{name}": self.env.t2j_copy(p.detach())
+            return {f"model.{name}": self._place(self.env.t2j_copy(p.detach()))
                     for name, p in model.named_parameters()}
+
+    def _place(self, array):
+        """On a mesh, every weight and input is replicated; GSPMD splits the work from there."""
+        return array if self._placement is None else jax.device_put(array, self._placement)
 
     # --- programs ------------------------------------------------------------------------
 
@@ -149,13 +166,16 @@ class JaxBackend:
         """(jitted stage, the names of the weights it takes). Weights a stage does not read stay
         out of its arguments; they are bound to meta tensors while tracing, so a stage that read
         one after all would fail loudly at warm-up instead of baking a constant in."""
-        env, impl = self.env, self.attention
+        env, impl, lay = self.env, self.attention, self.layout
+        if self.mesh is not None:
+            from sharding.jax_sp import ATTENTION
+            impl = ATTENTION
         names = [n for n, _ in stage.named_parameters() if stage.uses_parameter(n)]
         absent = {n: torch.empty(p.shape, dtype=p.dtype, device="meta")
                   for n, p in stage.named_parameters() if not stage.uses_parameter(n)}
 
         def traced(params, *args):
-            with env, torch.no_grad(), ops.use(attention=impl):
+            with env, torch.no_grad(), ops.use(attention=impl), layout.use(lay):
                 return torch.func.functional_call(stage, {**absent, **params}, args)
 
         return jax.jit(self.torchax.interop.jax_view(traced)), names
@@ -166,8 +186,8 @@ class JaxBackend:
         grid = model.grid(latent_shape)
         self.cond_names = tuple(cond_names)
         self.rope = tuple(self.put(r) for r in model.rope(grid))
-        self.zero_reference = jnp.zeros(reference_shape(model, latent_shape[0], grid, plan),
-                                        jnp.float32)
+        self.zero_reference = self._place(
+            jnp.zeros(reference_shape(model, latent_shape[0], grid, plan), jnp.float32))
         self._programs, self._weights_of = {}, {}
         for name, stage in stages_for(model, plan, self.cond_names, static, grid).items():
             program, names = self._jit(stage)
@@ -185,8 +205,9 @@ class JaxBackend:
 
     def put(self, tensor: torch.Tensor):
         if tensor.dtype == torch.bfloat16:  # numpy has no bf16: go through torchax's mapping
-            return self.env.t2j_copy(tensor.contiguous())
-        return jax.device_put(tensor.detach().cpu().numpy())  # a transfer, no eager op
+            return self._place(self.env.t2j_copy(tensor.contiguous()))
+        # a transfer, no eager op
+        return jax.device_put(tensor.detach().cpu().numpy(), self._placement)
 
     def get(self, x) -> torch.Tensor:
         return torch.from_numpy(np.asarray(jnp.asarray(x, jnp.float32)).copy())
@@ -227,6 +248,9 @@ class JaxBackend:
 
     def device_name(self) -> str:
         d = jax.devices()[0]
+        if self.mesh is not None:
+            return (f"{d.platform}:{d.device_kind} x{self.mesh.size} "
+                    f"(sp {self.mesh.shape['sp']}, cfg {self.mesh.shape['cfg']})")
         return f"{d.platform}:{d.device_kind}"
 
     def activate(self, expert) -> None:

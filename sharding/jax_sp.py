@@ -1,0 +1,138 @@
+"""Sequence and CFG parallelism for the JAX backend: a ("cfg", "sp") mesh, the layout the stages
+use under it, and Ulysses attention written with `jax.shard_map`.
+
+The stage programs stay global-view jitted programs (GSPMD): the weights and inputs are
+replicated, the probe pins the image tokens to the `sp` axis (and the batch of a fused CFG
+call to `cfg`), and XLA propagates that through the per-token work of every block. Two places
+need explicit collectives, written with shard_map:
+  - attention: Ulysses all-to-all (heads divisible by sp: each device attends the whole sequence
+    for 1/sp of the heads), or gathered K/V otherwise;
+  - the gate's signals: every per-token signal column is summed locally and reduced with one
+    `psum` over `sp` (the valid-token-count-weighted mean is that sum over the true count, so
+    padded or unequal shards are exact).
+Sequences that do not divide sp are padded inside those two places (masked keys, dropped
+queries, zero signal rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from modules import ops
+from tpu.torchax_compat import import_torchax
+
+from . import layout
+from .layout import Layout
+
+_interop = import_torchax().interop
+AXES = ("cfg", "sp")
+
+
+def make_mesh(sp: int = 1, cfg: int = 1, devices=None) -> Mesh:
+    """A (cfg, sp) mesh of Auto axes over the first cfg * sp devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    for name, size in (("sp", sp), ("cfg", cfg)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} size must be an integer >= 1, got {size!r}")
+    if cfg not in (1, 2):
+        raise ValueError(f"cfg size is 1 or 2 (the two guidance branches), got {cfg}")
+    if sp * cfg > len(devices):
+        raise ValueError(f"a mesh of sp={sp} x cfg={cfg} needs {sp * cfg} devices; "
+                         f"{len(devices)} are visible ({jax.default_backend()})")
+    return Mesh(np.array(devices[: sp * cfg]).reshape(cfg, sp), AXES)
+
+
+def _pad_to(x, axis: int, multiple: int, value=0):
+    n = x.shape[axis]
+    extra = (-n) % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+class JaxSequenceLayout(Layout):
+    """The stages' view of a (cfg, sp) mesh while the JAX backend traces them."""
+
+    def __init__(self, mesh: Mesh, base_attention: str):
+        self.mesh = mesh
+        self.sp_size = mesh.shape["sp"]
+        self.cfg_size = mesh.shape["cfg"]
+        self.base_attention = base_attention
+        self.signal_collectives = 0  # psums traced for signals (tests count one per probe)
+
+    def batch_axis(self, batch: int):
+        """The fused CFG pair goes over `cfg`; anything else is replicated over it."""
+        return "cfg" if self.cfg_size > 1 and batch % self.cfg_size == 0 else None
+
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    def shard_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        def constrain(h):
+            spec = P(self.batch_axis(h.shape[0]), "sp", *([None] * (h.ndim - 2)))
+            return jax.lax.with_sharding_constraint(h, NamedSharding(self.mesh, spec))
+        return _interop.torch_view(constrain(_interop.jax_view(hidden)))
+
+    def token_sums(self, columns: list[torch.Tensor]) -> torch.Tensor:
+        cols = [_pad_to(c, 1, self.sp_size) for c in _interop.jax_view(list(columns))]
+        bax = self.batch_axis(cols[0].shape[0])
+
+        def local(*shards):
+            return jax.lax.psum(jnp.stack([s.sum(1) for s in shards], axis=1), "sp")
+
+        self.signal_collectives += 1
+        summed = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(P(bax, "sp") for _ in cols),
+                               out_specs=P(bax, None), check_vma=False)(*cols)
+        return _interop.torch_view(summed)
+
+    # --- attention --------------------------------------------------------------------------
+
+    def attention(self, q_BLNH, k_BSNH, v_BSNH, key_mask_BS=None):
+        """`ops.attention` over the sp axis: global shapes in and out (GSPMD), shard_map inside."""
+        base = ops.implementation("attention", self.base_attention)
+        q, k, v = _interop.jax_view((q_BLNH, k_BSNH, v_BSNH))
+        batch, q_len, heads, _ = q.shape
+        kv_len, sp = k.shape[1], self.sp_size
+        mask = jnp.ones((batch, kv_len), jnp.bool_) if key_mask_BS is None \
+            else _interop.jax_view(key_mask_BS).astype(jnp.bool_)
+        q, k, v = _pad_to(q, 1, sp), _pad_to(k, 1, sp), _pad_to(v, 1, sp)
+        mask = _pad_to(mask, 1, sp, False)  # padded keys never receive weight
+        bax = self.batch_axis(batch)
+
+        def attend(q, k, v, m):
+            out = base(*_interop.torch_view((q, k, v, m)))
+            return _interop.jax_view(out)
+
+        if heads % sp == 0:  # Ulysses: all-to-all to whole sequences of heads/sp heads
+            def local(q, k, v, m):
+                q, k, v = (jax.lax.all_to_all(t, "sp", 2, 1, tiled=True) for t in (q, k, v))
+                out = attend(q, k, v, m)
+                return jax.lax.all_to_all(out, "sp", 1, 2, tiled=True)
+        else:  # gathered K/V: local queries against the whole key sequence
+            def local(q, k, v, m):
+                k, v = (jax.lax.all_gather(t, "sp", axis=1, tiled=True) for t in (k, v))
+                return attend(q, k, v, m)
+
+        seq = P(bax, "sp", None, None)
+        out = jax.shard_map(local, mesh=self.mesh, in_specs=(seq, seq, seq, P(bax, None)),
+                            out_specs=seq, check_vma=False)(q, k, v, mask)
+        return _interop.torch_view(out[:, :q_len])
+
+
+def _attention(q_BLNH, k_BSNH, v_BSNH, key_mask_BS=None):
+    return layout.current().attention(q_BLNH, k_BSNH, v_BSNH, key_mask_BS)
+
+
+ATTENTION = "sequence_parallel"
+
+
+def install() -> None:
+    """Register `ops.attention` "sequence_parallel": the active layout's attention (idempotent)."""
+    ops.register("attention", ATTENTION, _attention)
