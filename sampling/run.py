@@ -111,7 +111,8 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
     check_cond_updates(sample, steps)
     scheduler = make_scheduler(solver, steps, shift)
     gate = CacheManager(config, backend.ops)
-    gate.attach(steps)
+    layout = getattr(backend, "layout", None)
+    gate.attach(steps, layout.sp_size if layout is not None else 1)
     before = backend.compile_counts()
     began = time.perf_counter()
     for _ in range(warmup_rounds):

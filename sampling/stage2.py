@@ -83,7 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="persistent JAX compilation cache (default ~/.cache/dit-feature-cache/jax; "
                         "'none' turns it off)")
     g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
-                   help="sequence-parallel group size (default 1)")
+                   help="sequence-parallel group size: devices (JAX) or processes (torchrun) "
+                        "that split the tokens, Ulysses attention (default 1)")
+    g.add_argument("--cfg_parallel", action="store_true",
+                   help="cond and uncond on two device groups in one call (implies --cfg_mode "
+                        "fused); uses 2 x sp_size devices")
+    g.add_argument("--multihost", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host TPU slices)")
     g = parser.add_argument_group("budgeted mode (needs --teacache_policy poly:<calibrated profile>)")
     g.add_argument("--budget_rel_err", type=float, help="final-latent relative L2 error to stay "
                    "within (picks the TeaCache threshold from the profile's sweep)")
@@ -169,8 +175,16 @@ def resolve(args) -> dict:
     if args.offload_model and args.cache_offload is None:
         # Seed 000: with the model offloaded, residuals wait on the host and move on use.
         config = dataclasses.replace(config, offload="cpu")
-    if args.sp_size != 1:
-        raise UsageError("--sp_size > 1 arrives with the sequence-parallel issue; use 1")
+    if args.sp_size < 1:
+        raise UsageError(f"--sp_size {args.sp_size}: expected >= 1")
+    if args.cfg_parallel:
+        if args.cfg_mode not in (None, "fused"):
+            raise UsageError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot "
+                             f"run with --cfg_mode {args.cfg_mode}")
+        config = dataclasses.replace(config, cfg_mode="fused")
+    if args.backend == "torch" and (args.sp_size > 1 or args.cfg_parallel):
+        raise UsageError("--sp_size > 1 and --cfg_parallel run on --backend jax for now "
+                         "(the torch.distributed path is being wired)")
     steps = args.num_inference_steps or stage1.get("num_inference_steps") or pipe.steps
     if steps < 1:
         raise UsageError(f"--num_inference_steps {steps}: expected >= 1")
@@ -194,7 +208,8 @@ def resolve(args) -> dict:
     g_values = [pipe.guidance_for(e, guidance) for e, _ in pipe.experts]
     cfg_on = any(g != 1.0 for g in g_values)
     if config.cfg_mode == "fused" and 1.0 in g_values:
-        raise UsageError("--cfg_mode fused batches cond and uncond in one call; it needs CFG "
+        raise UsageError(f"--{'cfg_parallel' if args.cfg_parallel else 'cfg_mode fused'} batches "
+                         "cond and uncond in one call; it needs CFG "
                          f"(guidance != 1) for every expert, got guidance {g_values}")
     if args.input_dir is not None:
         image = pipe.task == "i2v" or (pipe.task == "ti2v" and _has_image(args.input_dir))
@@ -302,7 +317,18 @@ def make_backend(args, models, plan):
     from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
     cache_dir = args.compile_cache_dir if args.compile_cache_dir is not None else DEFAULT_CACHE_DIR
     enable_compile_cache(None if cache_dir.lower() == "none" else cache_dir)
-    return JaxBackend(models, plan, attention_impl=args.attention)
+    mesh = None
+    if args.sp_size > 1 or args.cfg_parallel or args.multihost:
+        import jax
+        from sharding.jax_sp import make_mesh
+        if args.multihost:
+            jax.distributed.initialize()
+        try:
+            mesh = make_mesh(args.sp_size, 2 if args.cfg_parallel else 1)
+        except ValueError as exc:
+            raise UsageError(f"--sp_size {args.sp_size}"
+                             f"{' --cfg_parallel' if args.cfg_parallel else ''}: {exc}") from None
+    return JaxBackend(models, plan, attention_impl=args.attention, mesh=mesh)
 
 
 def run(args) -> dict:
@@ -393,7 +419,8 @@ def _write(r, latents, report, args):
                   num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=r["seed"],
                   sample_solver=r["solver"], sample_shift=r["shift"],
                   stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
-                  synthetic_inputs=args.input_dir is None, **_cache_metadata(r["config"]))
+                  synthetic_inputs=args.input_dir is None, sp_size=args.sp_size,
+                  cfg_parallel=args.cfg_parallel, **_cache_metadata(r["config"]))
     meta = {k: config[k] for k in ("height", "width", "video_length", "num_inference_steps",
                                    "guidance_scale", "seed", "model")}
     meta.update(elapsed_time=report["time"]["stage_seconds"], device=report["device"],

@@ -42,8 +42,10 @@ def make_mesh(sp: int = 1, cfg: int = 1, devices=None) -> Mesh:
     if cfg not in (1, 2):
         raise ValueError(f"cfg size is 1 or 2 (the two guidance branches), got {cfg}")
     if sp * cfg > len(devices):
+        hint = (" (on CPU, emulate devices with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                "set before jax starts)") if jax.default_backend() == "cpu" else ""
         raise ValueError(f"a mesh of sp={sp} x cfg={cfg} needs {sp * cfg} devices; "
-                         f"{len(devices)} are visible ({jax.default_backend()})")
+                         f"{len(devices)} are visible ({jax.default_backend()}){hint}")
     return Mesh(np.array(devices[: sp * cfg]).reshape(cfg, sp), AXES)
 
 

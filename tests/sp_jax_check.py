@@ -1,0 +1,88 @@
+"""Run by tests/test_sequence_parallel_jax.py in a fresh process with 8 emulated CPU devices
+(the flag must be set before jax starts). Prints one JSON object of measured facts."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import json  # noqa: E402
+import re  # noqa: E402
+
+from cache import CMConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
+from sampling.pipelines import get_pipeline  # noqa: E402
+from sampling.run import make_sample, sample_once  # noqa: E402
+from sampling.stages import SignalPlan  # noqa: E402
+from sharding.jax_sp import make_mesh  # noqa: E402
+from tests.model_inputs import random_model, rel_err  # noqa: E402
+from tpu.backend import JaxBackend  # noqa: E402
+
+CONFIGS = {
+    "off": {},
+    "teacache": dict(teacache=TeaCacheConfig(threshold=0.4)),
+    "fbcache": dict(fbcache=FBCacheConfig(metric="residual_tensor_rel_l1", threshold=1.0)),
+}
+# (config, sp, cfg): the multi-device runs; each is compared with one device, same config
+CASES = [("teacache", 2, 1), ("fbcache", 4, 1), ("off", 8, 1), ("teacache", 8, 1),
+         ("teacache", 2, 2), ("fbcache", 4, 2)]
+STEPS = 10
+COLLECTIVE = re.compile(r"\b(all-reduce|all-to-all|all-gather|collective-permute|reduce-scatter)"
+                        r"(-start|-done)?\(")
+
+
+def collectives(text: str) -> dict:
+    out = {}
+    for op, suffix in COLLECTIVE.findall(text):
+        if suffix != "-done":
+            out[op] = out.get(op, 0) + 1
+    return out
+
+
+def main(name: str):
+    pipe = get_pipeline(name)
+    models = {e: random_model(c, seed=i, std=0.2) for i, (e, c) in enumerate(pipe.experts)}
+    shape = pipe.latent_shape(*pipe.size)
+    image = pipe.task == "i2v"
+    tensors = pipe.synthesize(shape, True, image, 0)
+
+    def run(config, mesh):
+        fused = config.cfg_mode == "fused"
+        backend = JaxBackend(models, SignalPlan.from_config(config), mesh=mesh)
+        sample = make_sample(backend, pipe, tensors, shape, image=image, seed=0, fused_cfg=fused)
+        traj = sample_once(backend, config, sample, solver=pipe.solver, steps=STEPS, shift=pipe.shift)
+        trace = [(r["step"], r["branch"], r["action"], r["reason"]) for r in traj.gate.telemetry.trace]
+        return backend, sample, backend.get(traj.latents), trace, traj.loop_compiles.lowered
+
+    facts, baselines = {"cases": []}, {}
+    for cname, sp, cfg in CASES:
+        mode = "fused" if cfg > 1 else "cond_authoritative"
+        config = CMConfig(**CONFIGS[cname], cfg_mode=mode)
+        if (cname, mode) not in baselines:
+            baselines[(cname, mode)] = run(config, None)[2:4]
+        ref, ref_trace = baselines[(cname, mode)]
+        backend, _, out, trace, loop = run(config, make_mesh(sp, cfg))
+        facts["cases"].append(dict(config=cname, sp=sp, cfg=cfg, rel_err=rel_err(out, ref),
+                                   trace_equal=trace == ref_trace, reused=sum(a == "skip" for _, _, a, _ in trace),
+                                   loop_compiles=loop, device=backend.device_name()))
+    # one collective for every signal of a call: TeaCache and FBCache (with its reference) on
+    both = CMConfig(teacache=TeaCacheConfig(), fbcache=FBCacheConfig(metric="residual_tensor_rel_l1",
+                                                                      saliency=0.2))
+    backend = JaxBackend(models, SignalPlan.from_config(both), mesh=make_mesh(4, 1))
+    sample = make_sample(backend, pipe, tensors, shape, image=image, seed=0)
+    conds = sample.conds["cond"]
+    t = backend.put(pipe.timestep_input(999.0, shape, image))
+    expert = pipe.experts[0][0]
+    args = (backend._weights_of["probe"][expert], sample.noise, t, *backend.rope,
+            backend.zero_reference, sample.noise, *(conds[n] for n in backend.cond_names))
+    hidden, ctx, signals, _ = backend.probe(expert, sample.noise, t, conds, None)
+    facts["probe_signal_columns"] = int(signals.shape[1])
+    facts["probe_collectives"] = collectives(backend.programs()["probe"].lower(*args).compile().as_text())
+    facts["traced_signal_psums"] = backend.layout.signal_collectives
+    mid = (backend._weights_of["middle"][expert], hidden, ctx)
+    facts["middle_collectives"] = collectives(backend.programs()["middle"].lower(*mid).compile().as_text())
+    print(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
