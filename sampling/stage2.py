@@ -320,6 +320,7 @@ def make_backend(args, models, plan):
     mesh = None
     if args.sp_size > 1 or args.cfg_parallel or args.multihost:
         import jax
+
         from sharding.jax_sp import make_mesh
         if args.multihost:
             jax.distributed.initialize()

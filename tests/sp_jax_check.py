@@ -62,8 +62,9 @@ def main(name: str):
             baselines[(cname, mode)] = run(config, None)[2:4]
         ref, ref_trace = baselines[(cname, mode)]
         backend, _, out, trace, loop = run(config, make_mesh(sp, cfg))
+        reused = sum(action == "skip" for _, _, action, _ in trace)
         facts["cases"].append(dict(config=cname, sp=sp, cfg=cfg, rel_err=rel_err(out, ref),
-                                   trace_equal=trace == ref_trace, reused=sum(a == "skip" for _, _, a, _ in trace),
+                                   trace_equal=trace == ref_trace, reused=reused,
                                    loop_compiles=loop, device=backend.device_name()))
     # one collective for every signal of a call: TeaCache and FBCache (with its reference) on
     both = CMConfig(teacache=TeaCacheConfig(), fbcache=FBCacheConfig(metric="residual_tensor_rel_l1",
