@@ -175,3 +175,62 @@ def read_stage2(directory: str):
     if "latents" not in tensors:
         raise StageFileError(f"{os.path.join(directory, LATENTS)} lacks the key 'latents'")
     return tensors["latents"], metadata, read_config(directory)
+
+
+# --- stage 3: the video -------------------------------------------------------------------------
+
+VIDEO = "output_video.mp4"
+
+
+def check_writable(directory: str) -> None:
+    """Raise StageFileError unless files can be created in `directory` (made if missing)."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise StageFileError(f"--output_dir {directory} exists and is not a directory; expected a "
+                             "folder to write into")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.remove(_temporary(directory, "write-check"))
+    except OSError as exc:
+        raise StageFileError(f"--output_dir {directory} is not writable ({exc.strerror}); expected "
+                             "a folder you can create files in") from None
+
+
+def write_video(directory: str, frames, fps: float, config: Mapping,
+                quality: int = 8) -> dict[str, str]:
+    """Encode frames [F, H, W, 3] uint8 as H.264 mp4 and write it with the generation config,
+    atomically (both or neither): the video goes to a temporary file in `directory` first.
+    `quality` is imageio's 1-10 (8, as the official Wan scripts write, is x264 CRF 10)."""
+    import imageio.v2 as imageio
+
+    check_writable(directory)
+    temps = []
+    try:
+        video_tmp = _temporary_video(directory)
+        temps.append(video_tmp)
+        # macro_block_size 1 keeps the size exact (the VAE strides make it even, as yuv420p needs)
+        writer = imageio.get_writer(video_tmp, format="FFMPEG", mode="I", fps=fps,
+                                    codec="libx264", quality=quality, macro_block_size=1)
+        try:
+            for frame in frames:
+                writer.append_data(frame)
+        finally:
+            writer.close()
+        config_tmp = _temporary(directory, CONFIG)
+        temps.append(config_tmp)
+        with open(config_tmp, "w") as f:
+            json.dump(dict(config), f, indent=2, default=str)
+            f.write("\n")
+        paths = {VIDEO: os.path.join(directory, VIDEO), CONFIG: os.path.join(directory, CONFIG)}
+        _replace_both(video_tmp, paths[VIDEO], config_tmp, paths[CONFIG])
+        return paths
+    finally:
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _temporary_video(directory: str) -> str:
+    """Like _temporary, but ending in .mp4: imageio picks the ffmpeg writer by the extension."""
+    path = _temporary(directory, VIDEO)
+    os.replace(path, path + ".mp4")
+    return path + ".mp4"

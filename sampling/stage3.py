@@ -1,0 +1,262 @@
+"""Stage 3 of the pipeline as a command: decode stage2_latents.safetensors with the model's VAE
+and write output_video.mp4 plus the stage-3 fields of generation_config.json.
+
+Order of work, so that bad input costs no decode and leaves no output behind: read and check the
+stage-2 files -> check the output folder -> build or load the VAE, check its latent channels ->
+(patch parallel: join the process group, plan the grid) -> decode -> frames -> write the video
+and the config atomically (rank 0).
+
+    python stage3_vae_decode.py --input_dir stage_outputs                      # tiny random VAE
+    python stage3_vae_decode.py --input_dir D --vae_path /ckpts/Wan2.2_VAE.pth
+    torchrun --nproc_per_node 4 stage3_vae_decode.py --input_dir D --vae_path V --patch_parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from modules.vae import (
+    VaeError,
+    build_tiny,
+    enable_tiling,
+    latent_channels,
+    load_vae,
+    spec_for,
+    to_vae_latents,
+)
+from vae_parallel.grid import PatchGridError
+
+from .pipelines import PIPELINES, get_pipeline
+from .stage_io import LATENTS, VIDEO, StageFileError, check_writable, read_stage2, write_video
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TINY_VAE_SEED = 0
+
+
+class UsageError(ValueError):
+    """A flag or input stage 3 cannot use; reported before decoding."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Stage 3: decode stage-2 latents with the model's VAE into an mp4.")
+    parser.add_argument("--input_dir", default="stage_outputs",
+                        help=f"the stage-2 folder ({LATENTS}, generation_config.json); default "
+                             "./stage_outputs")
+    parser.add_argument("--output_dir", help=f"where {VIDEO} goes (default: --input_dir)")
+    parser.add_argument("--model", help="named pipeline (default: the config's `model`, or the "
+                        "HunyuanVideo port's `transformer_version`)")
+    parser.add_argument("--vae_path", help="diffusers VAE folder, or one .safetensors/.pth file "
+                        "(diffusers or official layout); default: a tiny random VAE of the "
+                        "model's architecture (the video is then noise)")
+    parser.add_argument("--fps", type=float, help="frames per second (default: the config's "
+                        "`fps`, else 16 for Wan2.2 I2V-A14B and 24 for the others)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="VAE weights and "
+                        "compute (default fp32)")
+    parser.add_argument("--device", help="cpu, cuda or npu (default: cuda if present, else cpu; "
+                        "with torchrun, the local rank's device)")
+    parser.add_argument("--patch_parallel", action="store_true",
+                        help="split the frame over the torchrun ranks (WORLD_SIZE > 1): halo "
+                             "exchange, gathered attention K/V, two-stage gather")
+    parser.add_argument("--grid", help="patch grid ROWSxCOLS for --patch_parallel (default: the "
+                        "least halo for the frame)")
+    parser.add_argument("--tiled", action="store_true",
+                        help="diffusers' tiled decode (less memory on one device, small seams)")
+    parser.add_argument("--tile_size", type=int, help="tile size in pixels for --tiled "
+                        "(default: diffusers' 256)")
+    return parser
+
+
+def default_fps(pipe) -> float:
+    """The official sample_fps: Wan2.2 I2V-A14B 16, TI2V-5B 24 (model_spec 2.5, 2.6); 24 for
+    HunyuanVideo-1.5."""
+    return 16.0 if pipe.family == "wan" and pipe.task == "i2v" else 24.0
+
+
+def _pipeline_name(args, config, metadata) -> str:
+    if args.model:
+        return args.model
+    for source in (config, metadata):
+        if "model" in source:
+            return str(source["model"])
+    if "transformer_version" in config:
+        return f"hunyuanvideo-1.5-{config['transformer_version']}"
+    raise UsageError("the stage-2 config names no `model`; pass --model (one of "
+                     f"{', '.join(PIPELINES)})")
+
+
+def _grid_shape(text):
+    if text is None:
+        return None
+    try:
+        rows, cols = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--grid {text!r}: expected ROWSxCOLS, e.g. 2x2") from None
+    return rows, cols
+
+
+def resolve(args) -> dict:
+    """Everything the decode needs, checked, before any VAE work."""
+    if not os.path.isdir(args.input_dir):
+        raise StageFileError(f"--input_dir {args.input_dir} is not a directory; expected the "
+                             f"stage-2 folder holding {LATENTS}")
+    latents, metadata, config = read_stage2(args.input_dir)
+    name = _pipeline_name(args, config, metadata)
+    if name not in PIPELINES:
+        raise UsageError(f"unknown model {name!r}; expected one of {', '.join(PIPELINES)}")
+    pipe = get_pipeline(name)
+    channels = pipe.latent_channels
+    if latents.dim() != 5 or latents.shape[0] != 1:
+        raise StageFileError(f"{LATENTS}: latents have shape {list(latents.shape)}; expected "
+                             f"[1, {channels}, F, H, W]")
+    if latents.shape[1] != channels:
+        raise StageFileError(f"{LATENTS}: latents have {latents.shape[1]} channels; the {name} VAE "
+                             f"expects {channels} (shape [1, {channels}, F, H, W])")
+    st, ss = pipe.vae_stride
+    frames, height, width = ((latents.shape[2] - 1) * st + 1, latents.shape[3] * ss,
+                             latents.shape[4] * ss)
+    for key, value in (("video_length", frames), ("height", height), ("width", width)):
+        if key in config and int(config[key]) != value:
+            raise StageFileError(f"{LATENTS}: latents {list(latents.shape)} decode to {key} "
+                                 f"{value}; generation_config.json says {config[key]}")
+    if args.tiled and args.patch_parallel:
+        raise UsageError("--tiled and --patch_parallel are alternatives (tiles inside patches "
+                         "would not match the single-device decode); pick one")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not args.patch_parallel:
+        raise UsageError(f"launched on {world} ranks without --patch_parallel; add it, or run one "
+                         "process")
+    grid = None
+    if args.patch_parallel and world > 1:  # checked here, on every rank alike, before any VAE work
+        from vae_parallel import plan_grid
+        grid = plan_grid(world, latents.shape[3], latents.shape[4], _grid_shape(args.grid))
+    elif args.grid is not None:
+        raise UsageError("--grid needs --patch_parallel under torchrun (WORLD_SIZE > 1)")
+    if args.tile_size is not None and not args.tiled:
+        raise UsageError("--tile_size needs --tiled")
+    fps = args.fps if args.fps is not None else float(config.get("fps", default_fps(pipe)))
+    if fps <= 0:
+        raise UsageError(f"--fps {fps}: expected > 0")
+    output_dir = args.output_dir or args.input_dir
+    check_writable(output_dir)
+    return dict(pipe=pipe, latents=latents, config=config, size=(frames, height, width), fps=fps,
+                output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid)
+
+
+def build_vae(pipe, vae_path, dtype):
+    """(vae, description): from the checkpoint, or tiny random weights from a fixed seed."""
+    spec = spec_for(pipe)
+    if vae_path is None:
+        vae = build_tiny(spec, pipe.latent_channels, seed=TINY_VAE_SEED, dtype=dtype)
+        return vae, f"{spec.name} (tiny, random weights)"
+    vae = load_vae(spec, vae_path, dtype)
+    if latent_channels(vae) != pipe.latent_channels:
+        raise VaeError(f"--vae_path {vae_path} decodes {latent_channels(vae)} latent channels; "
+                       f"the {pipe.name} latents have {pipe.latent_channels}")
+    return vae, f"{spec.name} ({vae_path})"
+
+
+def _device(name, local_rank):
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name in ("cuda", "npu") and local_rank is not None:
+        return torch.device(name, local_rank)
+    return torch.device(name)
+
+
+_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+def _distributed(device: torch.device):
+    """(rank, world size) of the torchrun group, joined with the device's backend."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank to its own GPU
+    if not dist.is_initialized():
+        dist.init_process_group(_BACKENDS.get(device.type, "gloo"))  # env:// from torchrun
+    return dist.get_rank(), dist.get_world_size()
+
+
+def to_frames(video: torch.Tensor):
+    """[1, 3, F, H, W] in [-1, 1] -> uint8 [F, H, W, 3] (the diffusers video post-processing)."""
+    frames = ((video[0].float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return frames.permute(1, 2, 3, 0).cpu().numpy()
+
+
+def decode(vae, z, grid, tiled, tile_size):
+    """The video on rank 0 (None elsewhere): patch parallel over `grid`, or on one device."""
+    if grid is not None:
+        from vae_parallel import PatchComm, parallel_decode
+        return parallel_decode(vae, z, PatchComm(grid))
+    if tiled:
+        enable_tiling(vae, tile_size)
+    with torch.no_grad():
+        return vae.decode(z, return_dict=False)[0]
+
+
+def run(args) -> dict:
+    """The whole stage; returns the report (rank 0 writes the files)."""
+    r = resolve(args)
+    parallel = r["grid"] is not None
+    device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel else None)
+    rank, world = _distributed(device) if parallel else (0, 1)
+    try:
+        return _run(args, r, rank, world, device)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _run(args, r, rank, world, device):
+    pipe = r["pipe"]
+    vae, vae_name = build_vae(pipe, args.vae_path, r["dtype"])
+    vae = vae.to(device)
+    z = to_vae_latents(vae, r["latents"].to(device=device, dtype=r["dtype"]))
+    began = time.perf_counter()
+    video = decode(vae, z, r["grid"], args.tiled, args.tile_size)
+    seconds = time.perf_counter() - began
+    grid = r["grid"]
+    report = {"model": pipe.name, "vae": vae_name, "latent_shape": list(z.shape),
+              "ranks": world, "grid": list(grid.shape) if grid else None, "tiled": args.tiled,
+              "device": str(device), "dtype": args.dtype, "decode_seconds": seconds,
+              "fps": r["fps"], "rank": rank}
+    if rank != 0:
+        return report
+    frames = to_frames(video)
+    expected = r["size"]
+    if tuple(frames.shape[:3]) != expected:
+        raise VaeError(f"the VAE decoded {list(frames.shape[:3])} (frames, height, width); the "
+                       f"latents call for {list(expected)}"
+                       + ("; choose another --tile_size" if args.tiled else ""))
+    config = dict(r["config"])
+    config.update(output_video=os.path.join(r["output_dir"], VIDEO),
+                  stage3_decode_time=round(seconds, 3), vae=vae_name, vae_dtype=args.dtype,
+                  fps=r["fps"], video_frames=expected[0], video_height=expected[1],
+                  video_width=expected[2], vae_patch_parallel_ranks=world,
+                  vae_patch_grid=report["grid"], vae_tiled=args.tiled)
+    report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config)
+    report["video"] = list(expected)
+    return report
+
+
+def format_summary(report: dict) -> str:
+    lines = [f"stage 3: {report['model']}  VAE {report['vae']}  {report['dtype']} on "
+             f"{report['device']}",
+             f"decode: latents {report['latent_shape']} in {report['decode_seconds']:.2f} s on "
+             f"{report['ranks']} rank(s)"
+             + (f", patch grid {report['grid'][0]}x{report['grid'][1]}" if report["grid"] else "")
+             + (", tiled" if report["tiled"] else "")]
+    if "video" in report:
+        f, h, w = report["video"]
+        lines.append(f"video: {f} frames {w}x{h} at {report['fps']:g} fps")
+        lines.append("wrote " + ", ".join(report["outputs"].values()))
+    return "\n".join(lines)
+
+
+ERRORS = (UsageError, StageFileError, VaeError, PatchGridError)

@@ -1,0 +1,32 @@
+#!/usr/bin/env python
+"""Stage 3 of the pipeline: decode stage-2 latents with the model's VAE into output_video.mp4.
+
+    python stage3_vae_decode.py --input_dir stage_outputs                # tiny random VAE
+    python stage3_vae_decode.py --input_dir D --vae_path /ckpts/Wan2.1_VAE.pth --fps 16
+    torchrun --nproc_per_node 4 stage3_vae_decode.py --input_dir D --vae_path V --patch_parallel
+
+Argument parsing and wiring only; the work is in sampling/stage3.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sampling.stage3 import ERRORS, build_parser, format_summary, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = run(args)
+    except ERRORS as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if report["rank"] == 0:
+        print(format_summary(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
