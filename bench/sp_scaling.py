@@ -1,0 +1,90 @@
+"""Sequence parallel on emulated CPU devices: per-step time, cache speedup and collectives.
+
+    python bench/sp_scaling.py [--steps 24] [--blocks 12] [--frames 9]
+
+A tiny-but-deep HunyuanVideo-1.5 (hidden 64, 4 heads) runs uncached and with DeepCache at
+sp = 1, 2, 4, 8 on 8 emulated CPU devices (XLA_FLAGS set here, before jax starts). It prints the
+loop time per step, the cache speedup at each sp, and the collectives one full and one cached
+call hold (counted in the compiled programs). An honest caveat: emulated devices share this
+machine's cores, so sp > 1 cannot be faster here; the figure that carries over is how much of
+the cache speedup survives the extra collectives (peers.md: one peer fell from 2.84x to 1.93x).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.presets import _Pipeline  # noqa: E402
+from cache import CMConfig, DeepCacheConfig  # noqa: E402
+from modules import hunyuan_video15  # noqa: E402
+from modules.registry import build_model  # noqa: E402
+from sampling.run import make_sample, sample_once  # noqa: E402
+from sampling.stages import SignalPlan  # noqa: E402
+from sharding.jax_sp import make_mesh  # noqa: E402
+from tests.sp_jax_check import collectives  # noqa: E402
+from tpu.backend import JaxBackend  # noqa: E402
+
+
+def per_call_collectives(backend, sample, pipe, shape):
+    conds = next(iter(sample.conds.values()))
+    t = backend.put(pipe.timestep_input(999.0, shape, False))
+    w = backend._weights_of
+    hidden, ctx, _, _ = backend.probe(None, sample.noise, t, conds, None)
+    args = {"probe": (w["probe"][None], sample.noise, t, *backend.rope, backend.zero_reference,
+                      sample.noise, *(conds[n] for n in backend.cond_names)),
+            "middle": (w["middle"][None], hidden, ctx), "tail": (w["tail"][None], hidden, ctx)}
+    counts = {k: sum(collectives(p.lower(*args[k]).compile().as_text()).values())
+              for k, p in backend.programs().items() if k in args}
+    return counts["probe"] + counts["middle"] + counts["tail"], counts["probe"] + counts["tail"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--frames", type=int, default=9, help="video frames (latent frames = (f-1)/4+1)")
+    args = ap.parse_args()
+    cfg = dataclasses.replace(hunyuan_video15.CONFIGS["hunyuanvideo-tiny"], num_layers=args.blocks,
+                              hidden_size=64, num_heads=8, rope_axes=(2, 2, 4))
+    pipe = _Pipeline("hunyuanvideo-tiny", cfg)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    shape = pipe.latent_shape(128, 160, args.frames)
+    tensors = pipe.synthesize(shape, True, False, 0)
+    cached = CMConfig(deepcache=DeepCacheConfig(start=2, end=args.steps - 2, interval=3))
+    print(f"HunyuanVideo-1.5 tiny-deep: {args.blocks} blocks, hidden 64, 8 heads, latent "
+          f"{list(shape)} ({pipe.tokens(shape)} tokens), {args.steps} Euler steps, CFG, fp32; "
+          f"DeepCache start 2 end {args.steps - 2} interval 3; 8 emulated CPU devices")
+    print(f"{'sp':>3s} {'uncached ms/step':>17s} {'cached ms/step':>15s} {'cache speedup':>14s} "
+          f"{'collectives full/cached call':>29s}")
+    for sp in (1, 2, 4, 8):
+        mesh = None if sp == 1 else make_mesh(sp, 1)
+        times, counts = {}, None
+        for name, config in (("uncached", CMConfig()), ("cached", cached)):
+            backend = JaxBackend({None: model}, SignalPlan.from_config(cached), mesh=mesh)
+            sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0)
+            # step_sync: with async dispatch, programs with collectives in flight at once
+            # deadlocked XLA's CPU rendezvous at sp=8 on this 2-core machine (emulation only)
+            best = min((sample_once(backend, config, sample, solver=pipe.solver, steps=args.steps,
+                                    shift=pipe.shift, warmup_rounds=1 if r == 0 else 0,
+                                    step_sync=True).stats.wall_seconds for r in range(2)))
+            times[name] = best / args.steps
+            if counts is None:
+                counts = per_call_collectives(backend, sample, pipe, shape)
+        print(f"{sp:3d} {1000 * times['uncached']:17.1f} {1000 * times['cached']:15.1f} "
+              f"{times['uncached'] / times['cached']:13.2f}x {counts[0]:>17d} / {counts[1]:<d}")
+    print("(a step is two calls with CFG; the probe's signal reduction is 1 of these when the gate "
+          "reads signals; DeepCache reads none)")
+
+
+if __name__ == "__main__":
+    main()
