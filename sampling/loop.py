@@ -48,6 +48,8 @@ class Backend(Protocol):
     def tail(self, expert, hidden, ctx): ...  # with bn_ids: (output, tail-run residuals)
     def cached_tail(self, expert, hidden, ctx, residuals): ...  # bn_ids reuse step
     def read_signals(self, signals) -> list[list[float]]: ...  # [B][K] floats (a sync)
+    # A backend whose signal reduction can fail (torch.distributed) also has
+    # `reduce_failed() -> bool`: the last probe's signals are shard-local (Signals.reduce_error).
     def lincomb(self, terms) -> Any: ...  # sum(w * x) in fp32
     def relative_change(self, new, old) -> float: ...  # sum|new - old| / sum|old| (a sync)
     def replace_first_frame(self, x, frame): ...
@@ -125,9 +127,11 @@ def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: Lo
     if plan.fields and gate.config.needs_signals:
         rows = backend.read_signals(signals_dev)
         stats.signal_reads += 1
+        failed = getattr(backend, "reduce_failed", None)
+        reduce_error = failed is not None and failed()
         per_sample = []
         for values in rows:
-            named = dict(zip(plan.fields, values, strict=True))
+            named = dict(zip(plan.fields, values, strict=True), reduce_error=reduce_error)
             if plan.needs_reference and reference is None:
                 named["fbcache"] = None  # nothing to compare block 0's residual with yet
             if previous is None and plan.scene_guard:

@@ -13,7 +13,10 @@ arguments. Every stage takes positional tensors only and keeps shapes static, so
 stage and input shape serves every step, both CFG branches and both Wan2.2 experts.
 
 Signals are per-sample means over tokens (a [B, K] fp32 tensor), in the order of `SignalPlan.kinds`;
-the sequence-parallel issue reduces the same sums over the `sp` axis.
+under sequence parallelism the layout (`sharding.layout`) reduces the same sums over the group.
+A local-view layout (torch.distributed) also cuts every per-token context field the blocks read
+(`TOKEN_AXES`) and, with CFG parallel, the inputs of a fused pair; the head reads the whole
+context again after the tokens are gathered.
 """
 
 from __future__ import annotations
@@ -83,6 +86,28 @@ class SignalPlan:
         return any(k == "fbcache" and m.startswith("residual") for k, m in self.kinds)
 
 
+# Context fields with one row per image token, by token axis: a local-view layout cuts them like
+# the image stream before the blocks read them. Wan's e/e0 hold one row (one timestep) or L rows
+# (TI2V per-token timesteps); HunyuanVideo's key mask spans [image | text] and is left whole
+# for the attention to split.
+TOKEN_AXES = {WanContext: {"e": 1, "e0": 1, "rope_cos": 0, "rope_sin": 0},
+              HunyuanContext: {"rope_cos": 0, "rope_sin": 0}}
+
+
+def local_context(ctx):
+    """ctx with its per-token fields cut to this shard's tokens (unchanged on one device)."""
+    lay = layout.current()
+    return ctx._replace(**{name: lay.local_rows(getattr(ctx, name), axis)
+                           for name, axis in TOKEN_AXES[type(ctx)].items()})
+
+
+def replicated_key_lengths(model) -> tuple[int, ...]:
+    """Lengths of the unmasked key sequences other than the image tokens (Wan's cross-attention
+    over the padded text): a local-view layout keeps its shard length apart from them, since
+    its attention tells an image-token call from a text one by the shapes it is given."""
+    return (model.config.text_len,) if isinstance(model, WanDiT) else ()
+
+
 def context_type(model: nn.Module):
     if isinstance(model, WanDiT):
         return WanContext
@@ -117,28 +142,30 @@ class _TokenSums:
     def __init__(self):
         self.columns = []
 
-    def add(self, per_token, stride: int = 1) -> tuple[int, int]:
-        """Queue per_token (every stride-th token counted); returns (column, tokens counted)."""
-        tokens = per_token.shape[1]
-        if stride > 1:
-            keep = (torch.arange(tokens, device=per_token.device) % stride == 0).to(per_token.dtype)
-            per_token = per_token * keep
+    def add(self, per_token, stride: int = 1, step: int = 1) -> tuple[int, int]:
+        """Queue per_token (every stride-th token counted; row j is token j * step of the stream);
+        returns (column, tokens counted over the whole sequence). The layout's mask also drops
+        the padding rows of a shard."""
+        keep, counted = layout.current().token_mask(per_token.shape[1], step, stride,
+                                                    per_token.device)
+        if keep is not None:
+            per_token = per_token * keep.to(per_token.dtype)
         self.columns.append(per_token)
-        return len(self.columns) - 1, math.ceil(tokens / stride)
+        return len(self.columns) - 1, counted
 
 
-def _salient_rel(sums: _TokenSums, r, reference, tau: float):
+def _salient_rel(sums: _TokenSums, r, reference, tau: float, step: int):
     """Relative L1 of r against reference over the tokens whose own relative change exceeds tau
     (per sample); the plain relative L1 where none does. Sums, not means, so the shards of a
     sequence-parallel run add their numerators, denominators and counts."""
     d = (r - reference).abs().mean(-1)  # [B, L] per-token change
     p = reference.abs().mean(-1)
     mask = (d > tau * (p + EPS)).to(d.dtype)
-    i, _ = sums.add(d * mask)
-    j, _ = sums.add(p * mask)
-    k, _ = sums.add(mask)
-    a, _ = sums.add(d)
-    b, _ = sums.add(p)
+    i, _ = sums.add(d * mask, step=step)
+    j, _ = sums.add(p * mask, step=step)
+    k, _ = sums.add(mask, step=step)
+    a, _ = sums.add(d, step=step)
+    b, _ = sums.add(p, step=step)
 
     def finish(s):
         return torch.where(s[:, k] > 0, s[:, i] / (s[:, j] + EPS), s[:, a] / (s[:, b] + EPS))
@@ -168,6 +195,10 @@ class _Stage(nn.Module):
 
     def _ctx(self, ctx):
         return self.ctx_type(*ctx)
+
+    def _local_ctx(self, ctx):
+        """What the blocks read: the per-token fields cut to this shard's tokens."""
+        return local_context(self._ctx(ctx))
 
     def blocks_used(self) -> set[int]:
         raise NotImplementedError
@@ -205,11 +236,16 @@ class Probe(_Stage):
         latent = x
         if x.shape[0] != batch:  # fused CFG: one latent, both branches' conditions
             x, t = x.expand(batch, *x.shape[1:]), t.expand(batch, *t.shape[1:])
+        lay = layout.current()
+        # CFG parallel: this rank's sample of the pair from here on
+        x, t = lay.local_batch(x), lay.local_batch(t)
+        kwargs = {name: lay.local_batch(c) for name, c in kwargs.items()}
         hidden, ctx = model.prepare(x, t, **kwargs, **self.static, rope=(rope_cos, rope_sin))
-        hidden = _tree_map(layout.current().shard_tokens, hidden)
+        hidden = _tree_map(lay.shard_tokens, hidden)
+        local = local_context(ctx)
         entry = hidden
         for i in range(plan.fn_blocks):
-            hidden = model.block(i, hidden, ctx)
+            hidden = model.block(i, hidden, local)
         r1 = None
         if plan.needs_residual:
             r1 = (image_stream(hidden) - image_stream(entry))[:, ::plan.downsample].float()
@@ -217,37 +253,41 @@ class Probe(_Stage):
         finish = []  # per signal: sums [B, K'] -> [B]
         for technique, kind in plan.kinds:
             if technique == "teacache":
-                sig = model.signature(kind, entry, ctx).float()
-                if sig.ndim < 3:  # a per-sample embedding: nothing to reduce over the sequence
+                sig = model.signature(kind, entry, local).float()
+                if sig.ndim < 3 or sig.shape[1] != image_stream(entry).shape[1]:
+                    # a per-sample embedding (Wan's e with one timestep is [B, 1, D]): nothing
+                    # to reduce over the sequence
                     value = sig.abs().flatten(1).mean(1)
                     finish.append(lambda s, v=value: v)
                     continue
                 stride = plan.tc_downsample if kind == "modulated_input" else 1
-                i, n = sums.add(sig.abs().mean(-1), stride)
+                # per token: mean over the rest ([B, L, 6, D] for Wan's per-token e0)
+                i, n = sums.add(sig.abs().flatten(2).mean(-1), stride)
                 finish.append(lambda s, i=i, n=n: s[:, i] / n)
             elif kind in ("hidden_rel_l1", "hidden_rel_l2"):
-                mod = model.signature("modulated_input", entry, ctx).float()
+                mod = model.signature("modulated_input", entry, local).float()
                 per_token = mod.abs().mean(-1) if kind == "hidden_rel_l1" else mod.square().mean(-1)
                 i, n = sums.add(per_token, plan.downsample)
                 finish.append((lambda s, i=i, n=n: s[:, i] / n) if kind == "hidden_rel_l1"
                               else (lambda s, i=i, n=n: (s[:, i] / n).sqrt()))
             elif kind == "residual_rel_l1":
-                i, n = sums.add(r1.abs().mean(-1))
+                i, n = sums.add(r1.abs().mean(-1), step=plan.downsample)
                 finish.append(lambda s, i=i, n=n: s[:, i] / n)
             elif plan.saliency > 0:  # residual_tensor_rel_l1 over the salient tokens
-                finish.append(_salient_rel(sums, r1, reference, plan.saliency))
+                finish.append(_salient_rel(sums, r1, reference, plan.saliency, plan.downsample))
             else:  # residual_tensor_rel_l1: distance from the residual of the last compute
-                i, _ = sums.add((r1 - reference).abs().mean(-1))
-                j, _ = sums.add(reference.abs().mean(-1))
+                i, _ = sums.add((r1 - reference).abs().mean(-1), step=plan.downsample)
+                j, _ = sums.add(reference.abs().mean(-1), step=plan.downsample)
                 finish.append(lambda s, i=i, j=j: s[:, i] / (s[:, j] + EPS))
         # one reduction over the sequence (one collective when it is sharded) for every signal
-        reduced = layout.current().token_sums(sums.columns) if sums.columns else None
+        reduced = lay.token_sums(sums.columns) if sums.columns else None
         values = [f(reduced) for f in finish]
         if plan.scene_guard:  # the latent is whole on every shard: no reduction needed
             delta = _mean_abs(latent - previous) / (_mean_abs(previous) + EPS)
             values.append(delta.expand(x.shape[0]))
         signals = torch.stack(values, dim=1) if values else x.new_zeros((x.shape[0], 0))
-        return hidden, tuple(ctx), signals, r1 if r1 is not None else x.new_zeros(())
+        # the context goes on whole: each stage cuts it for its blocks, the head reads it whole
+        return hidden, tuple(ctx), lay.gather_batch(signals), r1 if r1 is not None else x.new_zeros(())
 
 
 class Middle(_Stage):
@@ -263,7 +303,7 @@ class Middle(_Stage):
         return set(range(self.start, self.stop))
 
     def forward(self, hidden, ctx):
-        ctx = self._ctx(ctx)
+        ctx = self._local_ctx(ctx)
         for i in range(self.start, self.stop):
             hidden = self.model.block(i, hidden, ctx)
         return hidden
@@ -298,6 +338,7 @@ class Tail(_Stage):
 
     def forward(self, hidden, ctx, *residuals):
         ctx = self._ctx(ctx)
+        local = local_context(ctx)
         stored, given = [], iter(residuals)
         i = self.start
         while i < self.model.num_blocks:
@@ -308,12 +349,13 @@ class Tail(_Stage):
                 continue
             before = hidden
             for j in range(i, stop or i + 1):
-                hidden = self.model.block(j, hidden, ctx)
+                hidden = self.model.block(j, hidden, local)
             if stop is not None:
                 stored.append(_tree(torch.sub, hidden, before))
             i = stop or i + 1
-        hidden = _tree_map(layout.current().gather_tokens, hidden)
-        out = self.model.final(hidden, ctx, self.grid)
+        lay = layout.current()
+        hidden = _tree_map(lay.gather_tokens, hidden)
+        out = lay.gather_batch(self.model.final(hidden, ctx, self.grid))
         # A batched (fused CFG) call hands back one output per sample, so the loop combines
         # them without slicing on the device.
         out = out if out.shape[0] == 1 else tuple(out.split(1))

@@ -1,3 +1,7 @@
-"""Meshes, partition rules, sequence-parallel attention and scalar reductions (JAX and
-torch.distributed). Arrives with the parallelism issue.
+"""Meshes, partition rules, sequence-parallel attention and scalar reductions.
+
+    layout     the Layout interface the stages call (identity on one device)
+    jax_sp     a ("cfg", "sp") JAX mesh, global-view GSPMD + shard_map Ulysses attention
+    torch_sp   torch.distributed process groups, local-view shards, Ulysses all-to-all,
+               init_torch_parallel for torchrun
 """

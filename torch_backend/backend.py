@@ -4,15 +4,23 @@ Eager by default. `compile=True` wraps each stage (probe, middle, tail) in `torc
 static shapes: the gate decides between the calls, so graphs break only at the gate and a step
 never recompiles (counted from dynamo's frame counter). `offload_model=True` keeps each model on
 the host until its expert runs, and moves the other expert off the device at the Wan2.2 switch.
+`layout=TorchSequenceLayout(...)` (`sharding.torch_sp`) runs this rank's part of a sequence- and
+CFG-parallel call: cached residuals stay shard-local, and every rank takes the same decisions
+because the signals it reads are reduced over its sequence group.
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
 
 import torch
 
 from modules import ops
 from sampling.loop import CompileCounts
-from sampling.stages import SignalPlan, reference_shape, stages_for
+from sampling.stages import SignalPlan, reference_shape, replicated_key_lengths, stages_for
+from sharding import layout as layouts
+from sharding import torch_sp
 
 HOST = torch.device("cpu")  # where offloaded models wait
 
@@ -85,10 +93,12 @@ def _dynamo_frames() -> int:
 
 
 class TorchBackend:
-    """models: expert -> torch module; device: where the stages run (cuda, npu, cpu)."""
+    """models: expert -> torch module; device: where the stages run (cuda, npu, cpu);
+    layout: a `sharding.torch_sp.TorchSequenceLayout` for this rank of a sequence/CFG-parallel
+    run (None: one process)."""
 
     def __init__(self, models: dict, plan: SignalPlan, device="cpu", *, compile: bool = False,
-                 offload_model: bool = False, ops_impl: TorchOps | None = None):
+                 offload_model: bool = False, ops_impl: TorchOps | None = None, layout=None):
         self.models, self.plan = models, plan
         self.device = torch.device(device)
         self.template = next(iter(models.values()))
@@ -97,6 +107,15 @@ class TorchBackend:
         if self.device.type in ("cuda", "npu"):
             ops.accelerate(self.device.type)  # SDPA/flash on CUDA, torch_npu kernels on Ascend
         self.attention = ops.active()["attention"]
+        self.layout = layout
+        if layout is not None:
+            if compile:
+                # dynamo would have to trace the collectives of every attention; untested
+                raise ValueError("compile=True with a sequence/CFG-parallel layout is not "
+                                 "supported; run the parallel stages eagerly")
+            torch_sp.install()
+            if layout.base_attention is None:
+                layout.base_attention = self.attention
         self.moves = 0  # model moves between host and device (offload telemetry)
         self._on_device = set()  # with offload, the models start on the host
         if not offload_model:
@@ -126,17 +145,39 @@ class TorchBackend:
         grid = self.template.grid(latent_shape)
         self.cond_names = tuple(cond_names)
         self.rope = tuple(self.put(r) for r in self.template.rope(grid))
-        self.zero_reference = torch.zeros(
-            reference_shape(self.template, latent_shape[0], grid, self.plan), device=self.device)
+        shape = reference_shape(self.template, latent_shape[0], grid, self.plan)
+        lay = self.layout
+        if lay is not None:
+            if lay.cfg_size > 1 and latent_shape[0] != lay.cfg_size:
+                raise ValueError("CFG parallel runs the fused [uncond, cond] call: build the "
+                                 "sample with fused_cfg=True (cfg_mode 'fused') and guidance != 1")
+            # a strided first-block residual needs every shard to start on a counted token
+            align = self.plan.downsample if self.plan.needs_residual else 1
+            lay.set_tokens(math.prod(grid), align, replicated_key_lengths(self.template))
+            shape = lay.local_reference_shape(shape, self.plan.downsample)
+        self.zero_reference = torch.zeros(shape, device=self.device)
         wrap = (lambda m: torch.compile(m, dynamic=False)) if self.compile else (lambda m: m)
         self.stages = {e: {name: wrap(s) for name, s in
                            stages_for(m, self.plan, self.cond_names, static, grid).items()}
                        for e, m in self.models.items()}
 
     def device_name(self) -> str:
+        name = str(self.device)
         if self.device.type == "cuda":
-            return f"cuda:{torch.cuda.get_device_name(self.device)}"
-        return str(self.device)
+            name = f"cuda:{torch.cuda.get_device_name(self.device)}"
+        lay = self.layout
+        if lay is not None:
+            name += f" (rank {lay.rank}: sp {lay.sp_size}, cfg {lay.cfg_size})"
+        return name
+
+    def _parallel(self):
+        """This rank's view of the tokens and the attention over its group, while a stage runs."""
+        if self.layout is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(layouts.use(self.layout))
+        stack.enter_context(ops.use(attention=torch_sp.ATTENTION))
+        return stack
 
     def put(self, tensor):
         return tensor.to(self.device)
@@ -152,23 +193,33 @@ class TorchBackend:
     def probe(self, expert, x, t, conds, reference, previous=None):
         ref = self.zero_reference if reference is None else reference
         prev = x if previous is None else previous
-        return self.stages[expert]["probe"](x, t, *self.rope, ref, prev,
-                                      *(conds[n] for n in self.cond_names))
+        if self.layout is not None:
+            self.layout.reduce_failed = False  # reported for this call only
+        with self._parallel():
+            return self.stages[expert]["probe"](x, t, *self.rope, ref, prev,
+                                                *(conds[n] for n in self.cond_names))
 
     @torch.no_grad()
     def middle(self, expert, hidden, ctx):
-        return self.stages[expert]["middle"](hidden, ctx)
+        with self._parallel():
+            return self.stages[expert]["middle"](hidden, ctx)
 
     @torch.no_grad()
     def tail(self, expert, hidden, ctx):
-        return self.stages[expert]["tail"](hidden, ctx)
+        with self._parallel():
+            return self.stages[expert]["tail"](hidden, ctx)
 
     @torch.no_grad()
     def cached_tail(self, expert, hidden, ctx, residuals):
-        return self.stages[expert]["cached_tail"](hidden, ctx, *residuals)
+        with self._parallel():
+            return self.stages[expert]["cached_tail"](hidden, ctx, *residuals)
 
     def read_signals(self, signals):
         return signals.tolist()
+
+    def reduce_failed(self) -> bool:
+        """Whether the last probe's signals are shard-local because their reduction failed."""
+        return self.layout is not None and self.layout.reduce_failed
 
     def relative_change(self, new, old) -> float:
         num = sum((a.float() - b.float()).abs().sum() for a, b in zip(new, old, strict=True))
