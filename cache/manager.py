@@ -145,7 +145,16 @@ class CacheManager:
             per_branch = [signals if isinstance(signals, Signals) else Signals()]
         if any(s.reduce_error or (s.reduced_over is not None and s.reduced_over != self.sp_world_size)
                for s in per_branch):
-            failsafe = FailSafe.REDUCE_ERROR
+            # The values are this shard's own: measuring them would leave shard-specific
+            # references (prev signature, accumulator) and later decisions could differ between
+            # shards, which then wait on each other's collectives. Compute and start the
+            # branch's signals afresh (seed 002: reset on a failed reduction).
+            names = FUSED_BRANCHES if cfg.cfg_mode == "fused" else (call.branch,)
+            for name in names:
+                holder = self._state(name)
+                holder.tech = {m: cfg.technique(m)[0].State() for m in cfg.modes}
+            return self._finish(call, state, COMPUTE, FailSafe.REDUCE_ERROR, None, {}, signals,
+                                failsafe=FailSafe.REDUCE_ERROR)
 
         # measure: signal -> rel, per mode; judge: rel -> vote, per mode
         rels, votes, invalid = {}, {}, False

@@ -182,9 +182,9 @@ def resolve(args) -> dict:
             raise UsageError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot "
                              f"run with --cfg_mode {args.cfg_mode}")
         config = dataclasses.replace(config, cfg_mode="fused")
-    if args.backend == "torch" and (args.sp_size > 1 or args.cfg_parallel):
-        raise UsageError("--sp_size > 1 and --cfg_parallel run on --backend jax for now "
-                         "(the torch.distributed path is being wired)")
+    if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
+        raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
+                         "(the parallel stages run eagerly)")
     steps = args.num_inference_steps or stage1.get("num_inference_steps") or pipe.steps
     if steps < 1:
         raise UsageError(f"--num_inference_steps {steps}: expected >= 1")
@@ -304,15 +304,28 @@ def _torch_device(name):
     return "npu" if npu is not None and npu.is_available() else "cpu"
 
 
-def make_backend(args, models, plan):
+def torch_parallel(args):
+    """This rank's layout when run under torchrun with --sp_size/--cfg_parallel (torch backend);
+    None for one process. A world that is not sp x cfg ranks stops here, before any loading."""
+    if args.backend != "torch":
+        return None
+    from sharding.torch_sp import init_torch_parallel
+    try:
+        return init_torch_parallel(args.sp_size, args.cfg_parallel, device=args.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def make_backend(args, models, plan, layout=None):
     """The backend the flags ask for. The torch path never imports torchax: torchax renames
     torch's private device to 'jax', which breaks torch.compile in the same process."""
     if args.backend == "torch":
         from torch_backend.backend import TorchBackend
         if args.attention:
             ops.select(attention=args.attention)
-        return TorchBackend(models, plan, _torch_device(args.device), compile=args.torch_compile,
-                            offload_model=args.offload_model)
+        device = layout.device if layout is not None else _torch_device(args.device)
+        return TorchBackend(models, plan, device, compile=args.torch_compile,
+                            offload_model=args.offload_model, layout=layout)
     from tpu.backend import JaxBackend
     from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
     cache_dir = args.compile_cache_dir if args.compile_cache_dir is not None else DEFAULT_CACHE_DIR
@@ -333,18 +346,31 @@ def make_backend(args, models, plan):
 
 
 def run(args) -> dict:
-    """The whole stage; returns the report printed and written as telemetry."""
+    """The whole stage; returns the report printed and written as telemetry. Under torchrun
+    every rank samples (the collectives need them all) and only rank 0 writes and prints."""
     r = resolve(args)
+    layout = torch_parallel(args)
+    try:
+        return _run(args, r, layout)
+    finally:
+        if layout is not None:
+            from sharding.torch_sp import close_torch_parallel
+            close_torch_parallel()
+
+
+def _run(args, r, layout) -> dict:
     pipe, config = r["pipe"], r["config"]
+    writer = layout is None or layout.rank == 0
     models = load_models(pipe, args.model_path, r["dtype"])
     plan = SignalPlan.from_config(config)
-    backend = make_backend(args, models, plan)
+    backend = make_backend(args, models, plan, layout)
     sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
                          seed=r["seed"], guidance=r["guidance"],
                          fused_cfg=config.cfg_mode == "fused")
     common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"])
     began = time.perf_counter()
-    traj = sample_once(backend, config, sample, progress=_progress(not args.no_progress),
+    traj = sample_once(backend, config, sample,
+                       progress=_progress(writer and not args.no_progress),
                        warmup_rounds=args.warmup_steps, **common)
     latents = backend.get(traj.latents)
     report = _report(r, traj, backend, plan, args, time.perf_counter() - began)
@@ -359,7 +385,9 @@ def run(args) -> dict:
             "loop_compiles_uncached": _counts(base.loop_compiles),
             **fidelity(latents, reference, backend.get(sample.noise)),
         }
-    _write(r, latents, report, args)
+    report["writer"] = writer
+    if writer:
+        _write(r, latents, report, args)
     return report
 
 
@@ -501,3 +529,17 @@ def format_summary(report: dict) -> str:
 
 ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
           SchedulerError, ops.OpError, BudgetError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The stage-2 command: exit 0 with the summary, 2 with one error line and nothing written."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = run(args)
+    except ERRORS as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if report.get("writer", True):  # under torchrun, rank 0 speaks for the run
+        print(format_summary(report))
+    return 0

@@ -101,8 +101,25 @@ def test_reduce_error_and_world_size_disagreement():
     step(g)
     assert step(g, signals=Signals(teacache=1.0, reduce_error=True)).reason == "reduce_error"
     assert step(g, signals=Signals(teacache=1.0, reduced_over=2)).reason == "reduce_error"
+    # the signals start afresh: nothing to compare with, then reuse again
+    assert step(g, signals=Signals(teacache=1.0, reduced_over=4)).reason == "no_reference"
     assert step(g, signals=Signals(teacache=1.0, reduced_over=4)).skip
     assert counts(g)["reduce_error"] == 2
+
+
+def test_a_failed_reduction_leaves_no_shard_specific_state():
+    """Shards that saw different local values at a failed reduction decide alike afterwards:
+    the local values are not measured (they would become each shard's reference)."""
+    traces = []
+    for local in (1.0, 50.0):
+        g = make()
+        g.attach(6, sp_world_size=2)
+        actions = [step(g, signals=Signals(teacache=1.0)).action]
+        actions.append(step(g, signals=Signals(teacache=local, reduce_error=True)).action)
+        for value in (1.01, 1.02, 1.03, 1.04):
+            actions.append(step(g, signals=Signals(teacache=value)).action)
+        traces.append((actions, [r["rel"] for r in g.telemetry.trace]))
+    assert traces[0] == traces[1]
 
 
 def test_shape_mismatch():

@@ -262,3 +262,38 @@ def test_cfg_parallel_needs_the_fused_pair():
     with pytest.raises(ValueError, match="fused_cfg=True"):
         make_sample(backend, pipe, pipe.synthesize(shape, True, False, 0), shape, image=False,
                     seed=0)
+
+
+def _stage2(cwd, *args, nproc=None):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).resolve().parents[1] / "stage2_transformer_flax_deepcache.py")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(_free_port())] if nproc else [sys.executable]
+    return subprocess.run([*launcher, script, "--backend", "torch", "--no_progress", *args],
+                          cwd=cwd, capture_output=True, text=True)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_under_torchrun_equals_one_process_and_rank_0_alone_writes(tmp_path):
+    from safetensors.torch import load_file
+
+    common = ("--teacache", "--num_inference_steps", "8")
+    one = _stage2(tmp_path, *common, "--output_dir", "one")
+    two = _stage2(tmp_path, *common, "--sp_size", "2", "--output_dir", "two", nproc=2)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("stage 2:") == 1 and "rank 0: sp 2, cfg 1" in two.stdout
+    a = load_file(str(tmp_path / "one" / "stage2_latents.safetensors"))["latents"]
+    b = load_file(str(tmp_path / "two" / "stage2_latents.safetensors"))["latents"]
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
+    wrong = _stage2(tmp_path, *common, "--sp_size", "4", "--output_dir", "wrong", nproc=2)
+    assert wrong.returncode != 0 and "--sp_size 4 needs 4" in wrong.stderr
+    assert not (tmp_path / "wrong").exists()
