@@ -1,0 +1,71 @@
+"""bench/pareto.py's harness on a tiny config: the uncached runs of ours and of diffusers agree,
+and the block counting sees what really ran (a cached call runs fewer sub-layers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+from bench import pareto  # noqa: E402
+from cache import CMConfig, FBCacheConfig  # noqa: E402
+from sampling.fidelity import fidelity  # noqa: E402
+
+BLOCKS = 3
+
+
+def workload(key: str, steps: int):
+    family = pareto.families(BLOCKS, BLOCKS)[key]
+    small = dataclasses.replace(family, size=(64, 64, 5))  # 2 latent frames, few tokens
+    return pareto.build_workload(small, steps)
+
+
+@pytest.mark.parametrize("key", ["wan", "hunyuan"])
+def test_uncached_ours_and_diffusers_agree(key):
+    wl = workload(key, steps=3)
+    ours = pareto.run_ours(wl, CMConfig(), pareto.our_counter(wl))
+    theirs = pareto.run_diffusers(wl)
+    assert fidelity(theirs.latents, ours.latents, wl.noise)["rel_l2"] <= 1e-5
+    assert ours.per_call == theirs.per_call == [float(BLOCKS)] * 6  # 3 steps x (cond, uncond)
+    assert ours.fraction == theirs.fraction == 1.0
+
+
+def test_counting_sees_reused_calls_on_both_sides():
+    wl = workload("wan", steps=4)
+    # Threshold far above any change: every call after a branch's first reuses.
+    ours = pareto.run_ours(wl, CMConfig(fbcache=FBCacheConfig(
+        threshold=1e9, metric="residual_tensor_rel_l1"), warmup=1, last_steps=0),
+        pareto.our_counter(wl))
+    # ours: the first step computes; later calls run the probe's block 0 only
+    assert ours.per_call == [3.0, 3.0] + [1.0] * 6
+    assert ours.fraction == pytest.approx(12 / 24)
+
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    theirs = pareto.run_diffusers(wl, pareto.diffusers_hook(
+        lambda: FirstBlockCacheConfig(threshold=1e9)))
+    # FBC replaces the other blocks' forward: a hook on a block would still fire, the sub-layer
+    # hooks do not
+    assert theirs.per_call == [3.0, 3.0] + [1.0] * 6
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cache_dit") is None,
+                    reason="cache-dit is in requirements-bench.txt, not requirements-dev.txt")
+def test_counting_sees_cache_dit_reuse():
+    wl = workload("wan", steps=10)
+    run = pareto.run_diffusers(wl, pareto.cachedit_setup(wl, fn=1, bn=0, rdt=0.99, taylorseer=False))
+    # cache-dit's 8 warm-up steps compute (16 calls), then the F1 block alone runs
+    assert run.per_call == [3.0] * 16 + [1.0] * 4
+    assert run.trace["cached_steps"] == [8, 9]
+
+
+def test_front_and_goal():
+    assert pareto.front([(0.5, 60.0), (0.4, 61.0), (0.3, 50.0), (0.6, 70.0)]) == [
+        (0.3, 50.0), (0.4, 61.0), (0.6, 70.0)]
+    # ours: the same PSNR at 0.4 that the peer needs 0.6 for -> 1.5x; +5 dB at 0.6
+    (point, gain, ratio), = pareto.compare([(0.4, 70.0), (0.6, 75.0)], [(0.6, 70.0, "peer")], 0.0)
+    assert point == (0.6, 70.0, "peer") and (gain, ratio) == (5.0, pytest.approx(1.5))
+    assert pareto.goal_met(gain, ratio) and not pareto.goal_met(2.0, 1.2)
