@@ -12,21 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from sampling.stage3 import ERRORS, build_parser, format_summary, run
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        report = run(args)
-    except ERRORS as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    if report["rank"] == 0:
-        print(format_summary(report))
-    return 0
-
+from sampling.stage3 import ERRORS, build_parser, format_summary, main, run  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(main())

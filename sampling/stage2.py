@@ -26,6 +26,7 @@ from modules.layers import ModelConfigError
 from modules.registry import build_model
 
 from .budget import BudgetError, load_curve, threshold_for
+from .cli import command
 from .fidelity import fidelity
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from .run import make_sample, sample_once
@@ -531,15 +532,6 @@ ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigE
           SchedulerError, ops.OpError, BudgetError)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The stage-2 command: exit 0 with the summary, 2 with one error line and nothing written."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        report = run(args)
-    except ERRORS as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    if report.get("writer", True):  # under torchrun, rank 0 speaks for the run
-        print(format_summary(report))
-    return 0
+
+# under torchrun, rank 0 speaks for the run
+main = command(build_parser, run, format_summary, ERRORS, lambda report: report.get("writer", True))

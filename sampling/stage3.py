@@ -30,6 +30,7 @@ from modules.vae import (
 )
 from vae_parallel.grid import PatchGridError
 
+from .cli import command
 from .pipelines import PIPELINES, get_pipeline
 from .stage_io import LATENTS, VIDEO, StageFileError, check_writable, read_stage2, write_video
 
@@ -260,3 +261,5 @@ def format_summary(report: dict) -> str:
 
 
 ERRORS = (UsageError, StageFileError, VaeError, PatchGridError)
+
+main = command(build_parser, run, format_summary, ERRORS, lambda report: report["rank"] == 0)

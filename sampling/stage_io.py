@@ -125,19 +125,26 @@ def write_stage(directory: str, tensors: Mapping[str, torch.Tensor], tensors_nam
     os.makedirs(directory, exist_ok=True)
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     meta["dtype_info"] = json.dumps({k: str(t.dtype) for k, t in tensors.items()})
-    temps = []
+    return _write_with_config(
+        directory, tensors_name, _temporary(directory, tensors_name),
+        lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata=meta),
+        config)
+
+
+def _write_with_config(directory: str, name: str, payload_tmp: str, write_payload,
+                       config: Mapping) -> dict[str, str]:
+    """write_payload(payload_tmp), the config beside it, then both renamed in (both or neither);
+    the temporary files never outlive the call."""
+    temps = [payload_tmp]
     try:
-        tensor_tmp = _temporary(directory, tensors_name)
-        temps.append(tensor_tmp)
-        save_file({k: t.contiguous() for k, t in tensors.items()}, tensor_tmp, metadata=meta)
+        write_payload(payload_tmp)
         config_tmp = _temporary(directory, CONFIG)
         temps.append(config_tmp)
         with open(config_tmp, "w") as f:
             json.dump(dict(config), f, indent=2, default=str)
             f.write("\n")
-        paths = {tensors_name: os.path.join(directory, tensors_name),
-                 CONFIG: os.path.join(directory, CONFIG)}
-        _replace_both(tensor_tmp, paths[tensors_name], config_tmp, paths[CONFIG])
+        paths = {name: os.path.join(directory, name), CONFIG: os.path.join(directory, CONFIG)}
+        _replace_both(payload_tmp, paths[name], config_tmp, paths[CONFIG])
         return paths
     finally:
         for tmp in temps:
@@ -203,10 +210,8 @@ def write_video(directory: str, frames, fps: float, config: Mapping,
     import imageio.v2 as imageio
 
     check_writable(directory)
-    temps = []
-    try:
-        video_tmp = _temporary_video(directory)
-        temps.append(video_tmp)
+
+    def encode(video_tmp):
         # macro_block_size 1 keeps the size exact (the VAE strides make it even, as yuv420p needs)
         writer = imageio.get_writer(video_tmp, format="FFMPEG", mode="I", fps=fps,
                                     codec="libx264", quality=quality, macro_block_size=1)
@@ -215,18 +220,8 @@ def write_video(directory: str, frames, fps: float, config: Mapping,
                 writer.append_data(frame)
         finally:
             writer.close()
-        config_tmp = _temporary(directory, CONFIG)
-        temps.append(config_tmp)
-        with open(config_tmp, "w") as f:
-            json.dump(dict(config), f, indent=2, default=str)
-            f.write("\n")
-        paths = {VIDEO: os.path.join(directory, VIDEO), CONFIG: os.path.join(directory, CONFIG)}
-        _replace_both(video_tmp, paths[VIDEO], config_tmp, paths[CONFIG])
-        return paths
-    finally:
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+
+    return _write_with_config(directory, VIDEO, _temporary_video(directory), encode, config)
 
 
 def _temporary_video(directory: str) -> str:
