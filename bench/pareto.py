@@ -50,7 +50,12 @@ import torch  # noqa: E402
 from bench.workload import smooth_in_t  # noqa: E402
 from cache import CMConfig, DeepCacheConfig, FBCacheConfig, LimitsConfig, TeaCacheConfig  # noqa: E402
 from modules import hunyuan_video15, wan  # noqa: E402
-from modules.convert import hunyuan_to_diffusers, wan_to_diffusers  # noqa: E402
+from modules.convert import (  # noqa: E402
+    hunyuan_diffusers_config,
+    hunyuan_to_diffusers,
+    wan_diffusers_config,
+    wan_to_diffusers,
+)
 from modules.registry import build_model  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.loop import Combination, folding  # noqa: E402
@@ -156,20 +161,9 @@ def diffusers_model(wl: Workload) -> torch.nn.Module:
 
     cfg = wl.family.config
     if wl.family.key == "wan":
-        model = diffusers.WanTransformer3DModel(
-            patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads,
-            attention_head_dim=cfg.head_dim, in_channels=cfg.in_dim, out_channels=cfg.out_dim,
-            text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim,
-            num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-            eps=cfg.eps, rope_max_seq_len=1024)
+        model = diffusers.WanTransformer3DModel(**wan_diffusers_config(cfg))
     else:
-        model = diffusers.HunyuanVideo15Transformer3DModel(
-            in_channels=2 * cfg.in_channels + 1, out_channels=cfg.out_channels,
-            num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-            num_layers=cfg.num_layers, num_refiner_layers=cfg.refiner_layers,
-            mlp_ratio=cfg.mlp_ratio, patch_size=1, patch_size_t=1, text_embed_dim=cfg.text_dim,
-            text_embed_2_dim=cfg.byt5_dim, image_embed_dim=cfg.vision_dim,
-            rope_axes_dim=cfg.rope_axes, rope_theta=cfg.rope_theta, use_meanflow=cfg.use_meanflow)
+        model = diffusers.HunyuanVideo15Transformer3DModel(**hunyuan_diffusers_config(cfg))
     model.load_state_dict(wl.theirs_state, strict=True)
     return model.eval()
 

@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from cache import CMConfig, DeepCacheConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
 from modules import ops  # noqa: E402
 from modules.checkpoint import cast_model  # noqa: E402
-from modules.convert import wan_to_diffusers  # noqa: E402
+from modules.convert import wan_diffusers_config, wan_to_diffusers  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, noise_for, sample_once  # noqa: E402
@@ -106,12 +106,7 @@ def diffusers_wan(model, device: torch.device):
     torch.set_default_dtype(DTYPE)
     try:
         with torch.device(device):
-            ref = WanTransformer3DModel(
-                patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads,
-                attention_head_dim=cfg.head_dim, in_channels=cfg.in_dim, out_channels=cfg.out_dim,
-                text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim,
-                num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-                eps=cfg.eps, rope_max_seq_len=1024)
+            ref = WanTransformer3DModel(**wan_diffusers_config(cfg))
     finally:
         torch.set_default_dtype(default_dtype)
     keep = tuple(ref._keep_in_fp32_modules or ())

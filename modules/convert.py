@@ -196,3 +196,24 @@ def to_layout(family: str, sd: Mapping[str, torch.Tensor], layout: str) -> dict[
 def from_layout(family: str, sd: Mapping[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
     """`layout` state dict -> official layout (our parameter names)."""
     return dict(sd) if layout == OFFICIAL else CONVERTERS[family][1](sd)
+
+
+def wan_diffusers_config(cfg) -> dict:
+    """Constructor arguments of diffusers' WanTransformer3DModel for one of our Wan configs."""
+    return dict(patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads,
+                attention_head_dim=cfg.head_dim, in_channels=cfg.in_dim, out_channels=cfg.out_dim,
+                text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim,
+                num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                eps=cfg.eps, rope_max_seq_len=1024)
+
+
+def hunyuan_diffusers_config(cfg) -> dict:
+    """Constructor arguments of diffusers' HunyuanVideo15Transformer3DModel for one of ours (the
+    input channels are [latent | image latent | mask], T9)."""
+    return dict(in_channels=2 * cfg.in_channels + 1, out_channels=cfg.out_channels,
+                num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
+                num_layers=cfg.num_layers, num_refiner_layers=cfg.refiner_layers,
+                mlp_ratio=cfg.mlp_ratio, patch_size=1, patch_size_t=1, text_embed_dim=cfg.text_dim,
+                text_embed_2_dim=cfg.byt5_dim, image_embed_dim=cfg.vision_dim,
+                rope_axes_dim=cfg.rope_axes, rope_theta=cfg.rope_theta,
+                use_meanflow=cfg.use_meanflow)

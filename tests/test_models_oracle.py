@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from modules import ops
-from modules.convert import hunyuan_to_diffusers, wan_to_diffusers
+from modules.convert import (
+    hunyuan_diffusers_config,
+    hunyuan_to_diffusers,
+    wan_diffusers_config,
+    wan_to_diffusers,
+)
 from tests.model_inputs import hy_inputs, random_model, rel_err, wan_inputs
 
 diffusers = pytest.importorskip("diffusers")
@@ -14,26 +19,14 @@ diffusers = pytest.importorskip("diffusers")
 
 def diffusers_wan(model):
     cfg = model.config
-    ref = diffusers.WanTransformer3DModel(
-        patch_size=cfg.patch_size, num_attention_heads=cfg.num_heads,
-        attention_head_dim=cfg.head_dim, in_channels=cfg.in_dim, out_channels=cfg.out_dim,
-        text_dim=cfg.text_dim, freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim,
-        num_layers=cfg.num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=cfg.eps, rope_max_seq_len=1024).eval()
+    ref = diffusers.WanTransformer3DModel(**wan_diffusers_config(cfg)).eval()
     ref.load_state_dict(wan_to_diffusers(model.state_dict()), strict=True)
     return ref
 
 
 def diffusers_hunyuan(model):
     cfg = model.config
-    ref = diffusers.HunyuanVideo15Transformer3DModel(
-        in_channels=2 * cfg.in_channels + 1, out_channels=cfg.out_channels,
-        num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
-        num_layers=cfg.num_layers, num_refiner_layers=cfg.refiner_layers,
-        mlp_ratio=cfg.mlp_ratio, patch_size=1, patch_size_t=1, text_embed_dim=cfg.text_dim,
-        text_embed_2_dim=cfg.byt5_dim, image_embed_dim=cfg.vision_dim,
-        rope_axes_dim=cfg.rope_axes, rope_theta=cfg.rope_theta,
-        use_meanflow=cfg.use_meanflow).eval()
+    ref = diffusers.HunyuanVideo15Transformer3DModel(**hunyuan_diffusers_config(cfg)).eval()
     ref.load_state_dict(hunyuan_to_diffusers(model.state_dict()), strict=True)
     return ref
 
