@@ -333,9 +333,11 @@ def _check_against(model: nn.Module, shapes: dict[str, tuple], where: str) -> No
                               + listing("mis-shaped", misshaped))
 
 
-def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None):
+def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None,
+               meta: bool = False):
     """Build the model of `config` (a name or config; default: config.json beside the weights)
-    and fill it from the checkpoint at `path`. Returns (model, info dict)."""
+    and fill it from the checkpoint at `path`. Returns (model, info dict). meta=True reads the
+    headers only: a meta-device model with the shapes and dtypes the load would give."""
     files = checkpoint_files(path)
     headers = read_headers(files)
     found_family, layout = detect(headers)
@@ -356,12 +358,15 @@ def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | Non
     _check_against(model, {k: tuple(v.shape) for k, v in converted.items()}, str(path))
 
     state = {}
-    for file in files:
+    for file in [] if meta else files:
         with safe_open(str(file), framework="pt", device="cpu") as fh:
             for name, info in headers.items():
                 if info.file == file:  # cast one tensor at a time: peak memory = model + 1 tensor
                     official = _official_name(family, name, layout)
                     state[name] = _cast(fh.get_tensor(info.stored), family, official, dtype)
+    if meta:
+        state = {name: _cast(metas[name], family, _official_name(family, name, layout), dtype)
+                 for name in headers}
     state = from_layout(family.name, state, layout)
     model.load_state_dict(state, strict=True, assign=True)
     info = {"family": family.name, "layout": layout, "files": [str(f) for f in files],

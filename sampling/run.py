@@ -62,13 +62,17 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
         backend.probe(expert, sample.noise, t, conds, r1)
     after = backend.middle(expert, hidden, ctx)
     residual = backend.ops.sub(after, hidden)
-    backend.ops.add(hidden, residual)
+    reused = backend.ops.add(hidden, residual)
     for order in range(1, plan.forecast + 1):  # forecasts combine order + 1 residuals
         backend.ops.combine([(1.0, residual)] * (order + 1))
     out = backend.tail(expert, hidden, ctx)
+    # the loop's tail takes the middle's output or the reused state, never the probe's: a
+    # program whose output came back sharded differently compiles here, not in the loop
+    for h in (after, reused):
+        backend.tail(expert, h, ctx)
     if plan.tail_runs:  # the full tail also returns its runs' residuals; reuse adds them back
         out, tail = out
-        backend.cached_tail(expert, hidden, ctx, tail)
+        backend.cached_tail(expert, reused, ctx, tail)
         for order in range(1, plan.forecast + 1):
             for r in tail:
                 backend.ops.combine([(1.0, r)] * (order + 1))
@@ -81,6 +85,7 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
             x = dry.step(i, v, x, lincomb)
     if sample.first_frame is not None:
         x = backend.replace_first_frame(x, sample.first_frame)
+    backend.probe(expert, x, t, conds, None, sample.noise)  # a stepped latent, and a previous one
     for updates in sample.cond_updates.values():  # the control guard's change measure
         for branch, new in updates.items():
             backend.relative_change(list(new.values()), [sample.conds[branch][n] for n in new])

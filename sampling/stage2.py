@@ -91,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "fused); uses 2 x sp_size devices")
     g.add_argument("--multihost", action="store_true",
                    help="call jax.distributed.initialize() first (multi-host TPU slices)")
+    g.add_argument("--weight_sharding", choices=("replicated", "fsdp"),
+                   help="JAX on a mesh: fsdp splits the block weights over the devices, each block "
+                        "gathering its own as it runs; replicated keeps every weight on every "
+                        "device (default: fsdp when sp_size x cfg > 1)")
     g = parser.add_argument_group("budgeted mode (needs --teacache_policy poly:<calibrated profile>)")
     g.add_argument("--budget_rel_err", type=float, help="final-latent relative L2 error to stay "
                    "within (picks the TeaCache threshold from the profile's sweep)")
@@ -183,6 +187,12 @@ def resolve(args) -> dict:
             raise UsageError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot "
                              f"run with --cfg_mode {args.cfg_mode}")
         config = dataclasses.replace(config, cfg_mode="fused")
+    if args.weight_sharding is not None and args.backend != "jax":
+        raise UsageError("--weight_sharding places the JAX backend's weights; the torch backend "
+                         "keeps them whole on every rank")
+    if args.weight_sharding == "fsdp" and args.sp_size == 1 and not args.cfg_parallel:
+        raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
+                         "devices; give --sp_size > 1 or --cfg_parallel")
     if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
         raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
                          "(the parallel stages run eagerly)")
@@ -343,7 +353,8 @@ def make_backend(args, models, plan, layout=None):
         except ValueError as exc:
             raise UsageError(f"--sp_size {args.sp_size}"
                              f"{' --cfg_parallel' if args.cfg_parallel else ''}: {exc}") from None
-    return JaxBackend(models, plan, attention_impl=args.attention, mesh=mesh)
+    return JaxBackend(models, plan, attention_impl=args.attention, mesh=mesh,
+                      weights=args.weight_sharding)
 
 
 def run(args) -> dict:

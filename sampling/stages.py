@@ -177,6 +177,36 @@ def _tree_map(fn, hidden):
     return (fn(hidden[0]), *hidden[1:]) if isinstance(hidden, tuple) else fn(hidden)
 
 
+class _OnBlockWeights(nn.Module):
+    """Calls fn(*args) as a module, so that torch.func.functional_call can hand it blocks whose
+    weights a layout gathered (FSDP) without the model knowing."""
+
+    def __init__(self, model: nn.Module, fn):
+        super().__init__()
+        self.blocks = getattr(model, block_list_name(model))  # params named blocks.i.*
+        object.__setattr__(self, "fn", fn)  # not a submodule
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def with_block_weights(model, indices, fn, *args):
+    """fn(*args), reading the weights of blocks `indices` as the current layout gives them:
+    whole, gathered just before (FSDP), so only the blocks at hand are ever whole on a device."""
+    lay = layout.current()
+    if not lay.splits_weights:
+        return fn(*args)
+    call = _OnBlockWeights(model, fn)
+    whole = lay.block_weights({f"blocks.{i}.{n}": p for i in indices
+                               for n, p in call.blocks[i].named_parameters()})
+    return torch.func.functional_call(call, whole, args)
+
+
+def run_block(model, i: int, hidden, ctx):
+    """model.block(i, hidden, ctx) with block i's weights as the current layout gives them."""
+    return with_block_weights(model, (i,), model.block, i, hidden, ctx)
+
+
 def block_list_name(model) -> str:
     """Attribute name of the model's block list (`blocks`, `double_blocks`)."""
     for name, child in model.named_children():
@@ -245,15 +275,20 @@ class Probe(_Stage):
         local = local_context(ctx)
         entry = hidden
         for i in range(plan.fn_blocks):
-            hidden = model.block(i, hidden, local)
+            hidden = run_block(model, i, hidden, local)
         r1 = None
         if plan.needs_residual:
             r1 = (image_stream(hidden) - image_stream(entry))[:, ::plan.downsample].float()
+            if plan.needs_reference and reference.shape[1:] != r1.shape[1:]:
+                # a placeholder: nothing stored yet, and the gate discards this call's tensor
+                # metric; comparing r1 with itself keeps the program's data flow (and its one
+                # collective) that of every later call
+                reference = r1
         sums = _TokenSums()
         finish = []  # per signal: sums [B, K'] -> [B]
         for technique, kind in plan.kinds:
             if technique == "teacache":
-                sig = model.signature(kind, entry, local).float()
+                sig = with_block_weights(model, (0,), model.signature, kind, entry, local).float()
                 if sig.ndim < 3 or sig.shape[1] != image_stream(entry).shape[1]:
                     # a per-sample embedding (Wan's e with one timestep is [B, 1, D]): nothing
                     # to reduce over the sequence
@@ -265,7 +300,8 @@ class Probe(_Stage):
                 i, n = sums.add(sig.abs().flatten(2).mean(-1), stride)
                 finish.append(lambda s, i=i, n=n: s[:, i] / n)
             elif kind in ("hidden_rel_l1", "hidden_rel_l2"):
-                mod = model.signature("modulated_input", entry, local).float()
+                mod = with_block_weights(model, (0,), model.signature, "modulated_input", entry,
+                                         local).float()
                 per_token = mod.abs().mean(-1) if kind == "hidden_rel_l1" else mod.square().mean(-1)
                 i, n = sums.add(per_token, plan.downsample)
                 finish.append((lambda s, i=i, n=n: s[:, i] / n) if kind == "hidden_rel_l1"
@@ -305,7 +341,7 @@ class Middle(_Stage):
     def forward(self, hidden, ctx):
         ctx = self._local_ctx(ctx)
         for i in range(self.start, self.stop):
-            hidden = self.model.block(i, hidden, ctx)
+            hidden = run_block(self.model, i, hidden, ctx)
         return hidden
 
 
@@ -349,7 +385,7 @@ class Tail(_Stage):
                 continue
             before = hidden
             for j in range(i, stop or i + 1):
-                hidden = self.model.block(j, hidden, local)
+                hidden = run_block(self.model, j, hidden, local)
             if stop is not None:
                 stored.append(_tree(torch.sub, hidden, before))
             i = stop or i + 1

@@ -6,7 +6,9 @@ The stages call `current()` while they run (or are traced) and use three things 
 per-token signal at once, and `gather_tokens(h)` before the head. A backend installs its
 layout with `use(...)` around tracing or running the stages. Nothing here imports a backend.
 
-A global-view layout (JAX: the compiler partitions one program) needs nothing else. A local-view
+A global-view layout (JAX: the compiler partitions one program) needs nothing else, unless it
+keeps the block weights split over the devices (FSDP): then `block_weights` hands each block its
+weights whole, just before the block runs. A local-view
 layout (torch.distributed: each rank runs its own shard eagerly) also cuts the other per-token
 tensors a block reads (`local_rows`), says which rows of a signal column count (`token_mask`),
 and with CFG parallel keeps one sample of a fused pair (`local_batch`, `gather_batch`). Those
@@ -62,6 +64,13 @@ class Layout:
         """Per-sample results (signals, outputs) of every rank of a fused CFG pair, in batch
         order."""
         return tensor
+
+    splits_weights = False  # block weights live split over the devices (FSDP)
+
+    def block_weights(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One block's parameters (name -> tensor) as its math reads them: whole. Called just
+        before the block runs, and only when `splits_weights`."""
+        return params
 
 
 _CURRENT: Layout = Layout()

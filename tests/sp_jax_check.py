@@ -23,9 +23,11 @@ CONFIGS = {
     "teacache": dict(teacache=TeaCacheConfig(threshold=0.4)),
     "fbcache": dict(fbcache=FBCacheConfig(metric="residual_tensor_rel_l1", threshold=1.0)),
 }
-# (config, sp, cfg): the multi-device runs; each is compared with one device, same config
-CASES = [("teacache", 2, 1), ("fbcache", 4, 1), ("off", 8, 1), ("teacache", 8, 1),
-         ("teacache", 2, 2), ("fbcache", 4, 2)]
+# (config, sp, cfg, weights): the multi-device runs; each is compared with one device, same config
+CASES = [("teacache", 2, 1, "replicated"), ("fbcache", 4, 1, "replicated"),
+         ("off", 8, 1, "replicated"), ("teacache", 8, 1, "replicated"),
+         ("teacache", 2, 2, "replicated"), ("fbcache", 4, 2, "replicated"),
+         ("teacache", 4, 1, "fsdp"), ("fbcache", 2, 2, "fsdp"), ("off", 8, 1, "fsdp")]
 STEPS = 10
 COLLECTIVE = re.compile(r"\b(all-reduce|all-to-all|all-gather|collective-permute|reduce-scatter)"
                         r"(-start|-done)?\(")
@@ -46,30 +48,34 @@ def main(name: str):
     image = pipe.task == "i2v"
     tensors = pipe.synthesize(shape, True, image, 0)
 
-    def run(config, mesh):
+    def run(config, mesh, weights="replicated"):
         fused = config.cfg_mode == "fused"
-        backend = JaxBackend(models, SignalPlan.from_config(config), mesh=mesh)
+        backend = JaxBackend(models, SignalPlan.from_config(config), mesh=mesh, weights=weights)
         sample = make_sample(backend, pipe, tensors, shape, image=image, seed=0, fused_cfg=fused)
         traj = sample_once(backend, config, sample, solver=pipe.solver, steps=STEPS, shift=pipe.shift)
         trace = [(r["step"], r["branch"], r["action"], r["reason"]) for r in traj.gate.telemetry.trace]
         return backend, sample, backend.get(traj.latents), trace, traj.loop_compiles.lowered
 
     facts, baselines = {"cases": []}, {}
-    for cname, sp, cfg in CASES:
+    for cname, sp, cfg, weights in CASES:
         mode = "fused" if cfg > 1 else "cond_authoritative"
         config = CMConfig(**CONFIGS[cname], cfg_mode=mode)
         if (cname, mode) not in baselines:
             baselines[(cname, mode)] = run(config, None)[2:4]
         ref, ref_trace = baselines[(cname, mode)]
-        backend, _, out, trace, loop = run(config, make_mesh(sp, cfg))
+        backend, _, out, trace, loop = run(config, make_mesh(sp, cfg), weights)
         reused = sum(action == "skip" for _, _, action, _ in trace)
-        facts["cases"].append(dict(config=cname, sp=sp, cfg=cfg, rel_err=rel_err(out, ref),
+        split = sum(len(a.sharding.device_set) > 1 and not a.sharding.is_fully_replicated
+                    for a in backend.params[pipe.experts[0][0]].values())
+        facts["cases"].append(dict(config=cname, sp=sp, cfg=cfg, weights=weights,
+                                   split_weights=split, rel_err=rel_err(out, ref),
                                    trace_equal=trace == ref_trace, reused=reused,
                                    loop_compiles=loop, device=backend.device_name()))
     # one collective for every signal of a call: TeaCache and FBCache (with its reference) on
     both = CMConfig(teacache=TeaCacheConfig(), fbcache=FBCacheConfig(metric="residual_tensor_rel_l1",
                                                                       saliency=0.2))
-    backend = JaxBackend(models, SignalPlan.from_config(both), mesh=make_mesh(4, 1))
+    backend = JaxBackend(models, SignalPlan.from_config(both), mesh=make_mesh(4, 1),
+                         weights="replicated")
     sample = make_sample(backend, pipe, tensors, shape, image=image, seed=0)
     conds = sample.conds["cond"]
     t = backend.put(pipe.timestep_input(999.0, shape, image))
@@ -82,6 +88,11 @@ def main(name: str):
     facts["traced_signal_psums"] = backend.layout.signal_collectives
     mid = (backend._weights_of["middle"][expert], hidden, ctx)
     facts["middle_collectives"] = collectives(backend.programs()["middle"].lower(*mid).compile().as_text())
+    # FSDP: the middle gathers each block's split weights (all-gather), nothing else changes
+    fsdp = JaxBackend(models, SignalPlan.from_config(both), mesh=make_mesh(4, 1), weights="fsdp")
+    make_sample(fsdp, pipe, tensors, shape, image=image, seed=0)
+    mid = (fsdp._weights_of["middle"][expert], hidden, ctx)
+    facts["fsdp_middle_collectives"] = collectives(fsdp.programs()["middle"].lower(*mid).compile().as_text())
     print(json.dumps(facts))
 
 

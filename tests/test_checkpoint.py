@@ -136,6 +136,21 @@ def test_loaded_parameters_are_real_tensors(tmp_path):
     assert not any(p.is_meta for p in model.parameters())
 
 
+@pytest.mark.parametrize("layout", [OFFICIAL, DIFFUSERS])
+def test_headers_only_load_gives_the_loaded_shapes_and_dtypes(tmp_path, monkeypatch, layout):
+    out = save_checkpoint(random_model("wan-tiny-ti2v"), tmp_path / "m", layout=layout,
+                          dtype=torch.bfloat16)
+    loaded, _ = load_model(out, dtype=torch.bfloat16)
+    import modules.checkpoint as ckpt
+    monkeypatch.setattr(ckpt, "safe_open", None)  # no tensor data may be read
+    meta, info = load_model(out, dtype=torch.bfloat16, meta=True)
+    assert all(p.is_meta for p in meta.parameters())
+    want = {k: (v.shape, v.dtype) for k, v in loaded.state_dict().items()}
+    assert {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()} == want
+    stored, _ = load_model(out, meta=True)  # no dtype asked: the checkpoint's own
+    assert stored.blocks[0].self_attn.q.weight.dtype == torch.bfloat16
+
+
 # --- one clear error per bad input --------------------------------------------------------------
 
 @pytest.fixture

@@ -39,7 +39,10 @@ def facts():
 def test_sharded_runs_equal_one_device_with_the_same_decisions(facts, name):
     cases = facts[name]["cases"]
     assert {(c["sp"], c["cfg"]) for c in cases} >= {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)}
+    assert {(c["sp"], c["cfg"]) for c in cases if c["weights"] == "fsdp"} == {(4, 1), (2, 2), (8, 1)}
     for case in cases:
+        # FSDP: the Linear weights of every block live split over the mesh; nothing else is
+        assert (case["split_weights"] > 0) == (case["weights"] == "fsdp"), case
         assert case["rel_err"] < 1e-5, case
         assert case["trace_equal"], case
         assert case["loop_compiles"] == 0, case
@@ -56,6 +59,9 @@ def test_one_all_reduce_per_probe_for_every_signal(facts, name):
     # the blocks themselves talk through Ulysses all-to-all or gathered K/V, never all-reduce
     assert "all-reduce" not in f["middle_collectives"]
     assert f["middle_collectives"].get("all-to-all", 0) + f["middle_collectives"].get("all-gather", 0) > 0
+    # split (FSDP) weights are gathered for each block: more all-gathers, still no all-reduce
+    assert f["fsdp_middle_collectives"].get("all-gather", 0) > f["middle_collectives"].get("all-gather", 0)
+    assert "all-reduce" not in f["fsdp_middle_collectives"]
 
 
 def _cli(tmp_path, *args, devices=None):
@@ -71,7 +77,7 @@ def test_cli_runs_sequence_and_cfg_parallel_and_refuses_missing_devices(tmp_path
     out = _cli(tmp_path, "--teacache", "--sp_size", "2", "--cfg_parallel",
                "--num_inference_steps", "8", devices=4)
     assert out.returncode == 0, out.stderr
-    assert "x4 (sp 2, cfg 2)" in out.stdout and "pair" in out.stdout
+    assert "x4 (sp 2, cfg 2, weights fsdp)" in out.stdout and "pair" in out.stdout
     config = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert config["sp_size"] == 2 and config["cfg_parallel"] is True
     bad = tmp_path / "bad"
@@ -81,3 +87,15 @@ def test_cli_runs_sequence_and_cfg_parallel_and_refuses_missing_devices(tmp_path
     out = _cli(bad, "--cfg_parallel", "--cfg_mode", "separate")
     assert out.returncode == 2 and "--cfg_parallel" in out.stderr
     assert list(bad.iterdir()) == []
+
+
+@pytest.mark.parametrize("sp", [3, 7])
+def test_loop_compiles_nothing_when_sp_divides_neither_tokens_nor_heads(tmp_path, sp):
+    # hunyuanvideo-tiny: 60 tokens and 2 heads; 3 divides the tokens (and the latent's 3 frames),
+    # 7 divides nothing: padded shards, gathered K/V
+    out = _cli(tmp_path, "--teacache", "--sp_size", str(sp), "--num_inference_steps", "6",
+               "--compile_cache_dir", "none", "--telemetry_json", "t.json", devices=8)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["compiles"]["loop"]["lowered"] == 0, report["compiles"]
+    assert report["branches"]["cond"]["reused"] > 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,39 @@ def _pad_axis(x, axis: int, length: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+class KernelCost(NamedTuple):
+    """Work of one splash call that XLA's cost analysis cannot see (a Pallas custom call has no
+    cost model): MXU flops over the padded blocks, exps, and the K/V re-reads of every q block
+    beyond the operands' single read that the analysis does count."""
+
+    flops: float
+    transcendentals: float
+    extra_bytes: float
+
+
+_KERNEL_COSTS: list[KernelCost] | None = None
+
+
+@contextmanager
+def kernel_costs() -> Iterator[list[KernelCost]]:
+    """Collect the KernelCost of every splash call traced inside the block (per device: under
+    sequence parallelism the kernel is traced with each device's shapes)."""
+    global _KERNEL_COSTS
+    before, _KERNEL_COSTS = _KERNEL_COSTS, []
+    try:
+        yield _KERNEL_COSTS
+    finally:
+        _KERNEL_COSTS = before
+
+
+def _record_kernel(q_BLNH, k_BSNH, plan: SplashPlan) -> None:
+    batch, _, heads, head_dim = q_BLNH.shape
+    lp, sp = plan.padded_q_len, plan.padded_kv_len
+    rereads = (lp // plan.block_q - 1) * 2 * sp * head_dim * heads * batch * q_BLNH.dtype.itemsize
+    _KERNEL_COSTS.append(KernelCost(4.0 * batch * heads * lp * sp * head_dim,
+                                    float(batch * heads * lp * sp), float(rereads)))
+
+
 def splash_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.Tensor,
                      key_mask_BS: torch.Tensor | None = None, *, interpret: bool = False,
                      block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
@@ -152,6 +186,9 @@ def splash_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.T
     `interpret=True` runs the kernel in the Pallas interpreter, e.g. on CPU for tests.
     """
     q, k, v, key_mask = _to_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS)
+    if _KERNEL_COSTS is not None:
+        _record_kernel(q, k, splash_plan(q.shape[1], k.shape[1], block_q=block_q,
+                                         block_kv=block_kv, block_kv_compute=block_kv_compute))
     out = _splash_attention_jax(q, k, v, key_mask, interpret=interpret, block_q=block_q,
                                 block_kv=block_kv, block_kv_compute=block_kv_compute)
     return _interop.torch_view(out)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from modules import ops
-from sampling.stages import SignalPlan, reference_shape, stages_for
+from sampling.stages import SignalPlan, block_list_name, stages_for
 from sharding import layout
 from sharding.layout import Layout
 
@@ -71,17 +71,24 @@ def _leaves(x):
     return jax.tree.leaves(x)
 
 
-class JaxOps:
-    """TensorOps for jax arrays and tuples of them (HunyuanVideo's hidden pair)."""
+def _direct(name, program, *args):
+    return program(*args)
 
-    def __init__(self):
+
+class JaxOps:
+    """TensorOps for jax arrays and tuples of them (HunyuanVideo's hidden pair). `call(name,
+    program, *args)` runs a jitted helper (the backend's, so an ahead-of-time backend sees them
+    all)."""
+
+    def __init__(self, call=_direct):
         self.host = jax.devices("cpu")[0]
+        self.call = call
 
     def add(self, a, b):
-        return _add(a, b)
+        return self.call("add", _add, a, b)
 
     def sub(self, a, b):
-        return _sub(a, b)
+        return self.call("sub", _sub, a, b)
 
     def shape(self, x):
         return tuple(tuple(leaf.shape) for leaf in _leaves(x))
@@ -106,7 +113,8 @@ class JaxOps:
         return "RESOURCE_EXHAUSTED" in str(exc) or isinstance(exc, MemoryError)
 
     def combine(self, terms):
-        return _tree_lincomb(np.asarray([w for w, _ in terms], np.float32), *(x for _, x in terms))
+        weights = np.asarray([w for w, _ in terms], np.float32)
+        return self.call("forecast", _tree_lincomb, weights, *(x for _, x in terms))
 
     def memory_fraction(self):
         stats = jax.devices()[0].memory_stats() or {}
@@ -121,13 +129,16 @@ class JaxBackend:
     attention: an implementation name of `ops.attention` used while tracing (default: splash on
     TPU, jax.nn.dot_product_attention elsewhere).
     mesh: a ("cfg", "sp") mesh (`sharding.jax_sp.make_mesh`) for sequence and CFG parallelism:
-    the weights and inputs are replicated over it, the probe splits the tokens over `sp` (and a
-    fused CFG pair over `cfg`), attention runs as Ulysses over `sp` around the chosen lowering,
-    and the signals are reduced with one psum. None: one device.
+    inputs are replicated over it, the probe splits the tokens over `sp` (and a fused CFG pair
+    over `cfg`), attention runs as Ulysses over `sp` around the chosen lowering, and the signals
+    are reduced with one psum. None: one device.
+    weights: "replicated" (every device holds every weight) or "fsdp" (the block weights split
+    over the mesh, each block gathering its own just before it runs; needs a mesh); None:
+    `sharding.jax_sp.default_weights` (FSDP on a mesh of several devices).
     """
 
     def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None,
-                 mesh=None):
+                 mesh=None, weights: str | None = None):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         attention.install()
@@ -135,30 +146,57 @@ class JaxBackend:
         if self.attention not in ops.implementations("attention"):
             raise ops.OpError(f"--attention {self.attention!r}: expected one of "
                               f"{', '.join(ops.implementations('attention'))}")
+        if weights is None:
+            from sharding.jax_sp import default_weights
+            weights = default_weights(mesh)
+        if weights != "replicated" and (mesh is None or mesh.size == 1):
+            raise ValueError(f"weight sharding {weights!r} splits the weights over a mesh of "
+                             "several devices; give sp_size x cfg > 1, or keep them replicated")
         self.plan, self.mesh = plan, mesh
-        self.layout, self._placement = Layout(), None
+        self.layout, self._placement = Layout(), self._default_placement()
         if mesh is not None:
             from sharding import jax_sp
             jax_sp.install()
-            self.layout = jax_sp.JaxSequenceLayout(mesh, self.attention)
+            self.layout = jax_sp.JaxSequenceLayout(mesh, self.attention, weights)
             self._placement = self.layout.replicated()
+        self.weight_sharding = weights
         self.template = next(iter(models.values()))
         blocks = self.template.num_blocks
         if plan.fn_blocks + plan.bn_blocks > blocks:
             raise ValueError(f"probe blocks ({plan.fn_blocks}) + tail blocks ({plan.bn_blocks}) "
                              f"exceed the model's {blocks} blocks")
+        self._blocks_prefix = f"{block_list_name(self.template)}."
         self.params = {expert: self._weights(model) for expert, model in models.items()}
-        self.ops = JaxOps()
+        self.ops = JaxOps(self._call)
         self._programs = None
+
+    def _default_placement(self):
+        """Where inputs go without a mesh: None, jax's default device."""
+        return None
 
     def _weights(self, model):
         with torch.no_grad():
-            return {f"model.{name}": self._place(self.env.t2j_copy(p.detach()))
-                    for name, p in model.named_parameters()}
+            return {f"model.{name}": self._place_weight(name, p) for name, p in model.named_parameters()}
+
+    def _place_weight(self, name: str, p: torch.Tensor):
+        array = self.env.t2j_copy(p.detach())
+        sharding = self._weight_sharding(name, tuple(p.shape))
+        return array if sharding is None else jax.device_put(array, sharding)
+
+    def _weight_sharding(self, name: str, shape: tuple[int, ...]):
+        """A weight's sharding: the layout's rule on a mesh (replicated or FSDP), else None."""
+        if self.mesh is None:
+            return self._placement
+        return self.layout.weight_sharding(shape, name.startswith(self._blocks_prefix))
 
     def _place(self, array):
-        """On a mesh, every weight and input is replicated; GSPMD splits the work from there."""
+        """Inputs are replicated on a mesh; GSPMD splits the work from there."""
         return array if self._placement is None else jax.device_put(array, self._placement)
+
+    def _call(self, name: str, program, *args):
+        """Run one jitted program (a stage or a helper): the one place the loop's device work
+        starts, so an ahead-of-time backend (`tpu.aot`) can compile instead of run."""
+        return program(*args)
 
     # --- programs ------------------------------------------------------------------------
 
@@ -186,8 +224,10 @@ class JaxBackend:
         grid = model.grid(latent_shape)
         self.cond_names = tuple(cond_names)
         self.rope = tuple(self.put(r) for r in model.rope(grid))
-        self.zero_reference = self._place(
-            jnp.zeros(reference_shape(model, latent_shape[0], grid, plan), jnp.float32))
+        # Stands in for block 0's stored residual before the first compute: the gate discards
+        # that call's tensor metric, so a broadcast zero per sample does (not [B, L, D]
+        # on every chip).
+        self.zero_reference = self.put(torch.zeros((latent_shape[0], 1, 1), dtype=torch.float32))
         self._programs, self._weights_of = {}, {}
         for name, stage in stages_for(model, plan, self.cond_names, static, grid).items():
             program, names = self._jit(stage)
@@ -199,7 +239,7 @@ class JaxBackend:
         return dict(self._programs)
 
     def _run(self, name, expert, *args):
-        return self._programs[name](self._weights_of[name][expert], *args)
+        return self._call(name, self._programs[name], self._weights_of[name][expert], *args)
 
     # --- what the loop calls --------------------------------------------------------------
 
@@ -234,14 +274,14 @@ class JaxBackend:
         return np.asarray(signals).tolist()
 
     def relative_change(self, new, old) -> float:
-        return float(_rel_l1(tuple(new), tuple(old)))
+        return float(self._call("control_delta", _rel_l1, tuple(new), tuple(old)))
 
     def lincomb(self, terms):
         weights = np.asarray([w for w, _ in terms], np.float32)
-        return _lincomb(weights, *(x for _, x in terms))
+        return self._call(f"lincomb{len(terms)}", _lincomb, weights, *(x for _, x in terms))
 
     def replace_first_frame(self, x, frame):
-        return _replace_first_frame(x, frame)
+        return self._call("first_frame", _replace_first_frame, x, frame)
 
     def compile_counts(self):
         return compile_counts()
@@ -249,12 +289,13 @@ class JaxBackend:
     def device_name(self) -> str:
         d = jax.devices()[0]
         if self.mesh is not None:
+            weights = "" if self.weight_sharding == "replicated" else f", weights {self.weight_sharding}"
             return (f"{d.platform}:{d.device_kind} x{self.mesh.size} "
-                    f"(sp {self.mesh.shape['sp']}, cfg {self.mesh.shape['cfg']})")
+                    f"(sp {self.mesh.shape['sp']}, cfg {self.mesh.shape['cfg']}{weights})")
         return f"{d.platform}:{d.device_kind}"
 
     def activate(self, expert) -> None:
-        """Every expert's weights stay on the device (HBM holds both A14B experts on a pod)."""
+        """Every expert's weights stay on the device (replicated, or split by FSDP)."""
 
     def release(self) -> None:
         """Nothing to hand back between runs."""

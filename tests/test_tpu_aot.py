@@ -1,0 +1,167 @@
+"""Deviceless compiles for a real TPU target (libtpu's compile-only devices of a v6e:2x2 slice):
+the tiny models' stage programs with the splash kernel lowered by Mosaic (not interpreted), on one
+chip and on a sequence-parallel mesh, with replicated and FSDP weights; the memory plan and the
+collective accounting; the command's errors."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache import CMConfig, DeepCacheConfig, TeaCacheConfig
+from modules.checkpoint import cast_model
+from modules.registry import build_model
+from sampling.pipelines import get_pipeline
+from sampling.run import make_sample, warm_up
+from sampling.schedulers import make_scheduler
+from sampling.stages import SignalPlan
+from sharding.jax_sp import make_mesh
+from tpu import aot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def slice_v6e():
+    return aot.topology_devices("v6e:2x2")
+
+
+def _compile(devices, name, config, sp=1, weights=None):
+    pipe = get_pipeline(name)
+    models = {e: cast_model(build_model(c, meta=True), torch.bfloat16) for e, c in pipe.experts}
+    plan = SignalPlan.from_config(config)
+    mesh = make_mesh(sp, 1, devices) if sp > 1 else None
+    backend = aot.AotBackend(models, plan, devices=devices, mesh=mesh, weights=weights)
+    shape = pipe.latent_shape(*pipe.size)
+    image = pipe.task == "i2v"
+    sample = make_sample(backend, pipe, pipe.synthesize(shape, True, image, 0), shape,
+                         image=image, seed=0)
+    warm_up(backend, plan, make_scheduler(pipe.solver, 6, pipe.shift), sample)
+    return backend, models
+
+
+def test_topology_gives_the_slice_and_its_chip(slice_v6e):
+    chip, devices = slice_v6e
+    assert chip.name == "v6e" and len(devices) == 4
+    assert {d.device_kind for d in devices} == {chip.device_kind}
+    assert {d.platform for d in devices} == {"tpu"}
+
+
+@pytest.mark.parametrize("name", ["wan-tiny-i2v", "hunyuanvideo-tiny"])
+def test_stage_programs_compile_for_tpu_with_the_splash_kernel(slice_v6e, name):
+    _, devices = slice_v6e
+    backend, models = _compile(devices, name, CMConfig(teacache=TeaCacheConfig()))
+    names = {p.name for p in backend.records.values()}
+    assert {"probe", "middle", "tail", "add", "sub"} <= names
+    assert any(n.startswith("lincomb") for n in names)  # the scheduler's combinations
+    middle = backend.program("middle")
+    # Mosaic lowered the kernel (a custom call in the TPU executable); its work is counted
+    # from its shapes, since XLA's cost analysis cannot see inside it
+    assert middle.kernel_flops > 0 and middle.flops > middle.kernel_flops
+    assert middle.temp_bytes > 0 and middle.argument_bytes > 0
+    # replicated on one chip: the weights resident are every expert's parameters, as cast
+    want = sum(p.numel() * p.element_size() for m in models.values() for p in m.parameters())
+    assert sum(backend.expert_bytes.values()) == want
+    assert backend.device_name().startswith("tpu:TPU v6 lite")
+
+
+def test_sequence_parallel_mesh_compiles_with_one_signal_reduction(slice_v6e):
+    _, devices = slice_v6e
+    backend, _ = _compile(devices, "wan-tiny-i2v", CMConfig(teacache=TeaCacheConfig()), sp=4)
+    probe, middle = backend.program("probe"), backend.program("middle")
+    assert probe.collectives["all-reduce"]["count"] == 1  # the one psum of every signal
+    # Ulysses: heads (2) do not divide sp 4, so K/V are gathered over the 4 chips
+    assert middle.collectives["all-gather"]["count"] > 0
+    assert "all-reduce" not in middle.collectives
+
+
+def test_fsdp_splits_block_weights_over_the_slice_and_gathers_them_per_block(slice_v6e):
+    _, devices = slice_v6e
+    config = CMConfig(deepcache=DeepCacheConfig())
+    whole, models = _compile(devices, "hunyuanvideo-tiny", config, sp=4, weights="replicated")
+    split, _ = _compile(devices, "hunyuanvideo-tiny", config, sp=4)  # the default on a mesh
+    assert split.weight_sharding == "fsdp" and whole.weight_sharding == "replicated"
+    model = models[None]
+    blocks = model.num_blocks
+    # 2-D block weights divisible by 4 chips lie split; everything else whole
+    expected = sum(p.numel() * p.element_size() // (4 if n.startswith("double_blocks.")
+                                                    and p.ndim == 2 and p.shape[0] % 4 == 0 else 1)
+                   for n, p in model.named_parameters())
+    assert split.expert_bytes[None] == expected < whole.expert_bytes[None]
+    gathers = split.program("middle").collectives["all-gather"]["count"] - \
+        whole.program("middle").collectives.get("all-gather", {}).get("count", 0)
+    per_block = sum(p.ndim == 2 for p in model.double_blocks[0].parameters())
+    assert gathers >= (blocks - 1) * per_block  # the middle's blocks gather their own weights
+
+
+def test_collective_accounting_reads_every_replica_group_form():
+    hlo = "\n".join([
+        "%ag = bf16[1024,1024]{1,0} all-gather(%p), channel_id=1, replica_groups=mesh['axis_0'=8,"
+        "'axis_1'=1] {'axis_0'}, dimensions={0}",
+        "%a2a = f32[16,64]{1,0} all-to-all(%x), replica_groups=[2,4]<=[8], dimensions={0}",
+        "%ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(%y), replica_groups={{0,1},{2,3}}",
+        "%ard = f32[8]{0} all-reduce-done(%ars)",
+    ])
+    c = aot.collectives(hlo)
+    assert c["all-gather"] == {"count": 1, "bytes": 2 * 2**20, "received": 2 * 2**20 * 7 / 8}
+    assert c["all-to-all"]["received"] == 16 * 64 * 4 * 3 / 4
+    assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["bytes"] == 32  # -done not counted
+
+
+def test_run_plan_counts_what_the_run_holds(slice_v6e):
+    chip, devices = slice_v6e
+    config = CMConfig(teacache=TeaCacheConfig())
+    backend, _ = _compile(devices, "wan-tiny-i2v", config)
+    plan = aot.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
+                        computed_fraction=0.5, swap_experts=False)
+    m = plan.memory
+    assert m["weights"] == sum(backend.expert_bytes.values()) and m["experts_resident"] == 2
+    assert m["slots"] == 2 and m["residual_slots"] == 2 * m["residual_bytes"] > 0
+    assert m["total"] == m["weights"] + m["residual_slots"] + m["probe_references"] + \
+        m["inputs"] + m["in_flight"] and m["fits"]
+    swap = aot.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
+                        computed_fraction=0.5, swap_experts=True).memory
+    assert swap["weights"] == max(backend.expert_bytes.values()) == swap["switch_bytes"]
+    s = plan.seconds
+    assert plan.schedule["computed_steps"] == 3
+    assert math.isclose(s["run_cached"], 3 * 2 * s["full_call"] + 3 * 2 * s["reused_call"])
+    assert s["reused_call"] < s["full_call"] and s["speedup"] > 1
+
+
+def _cli(*args):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "tpu.aot", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_command_prints_the_plan_and_refuses_bad_topologies(tmp_path):
+    out = _cli("--model", "wan-tiny-ti2v", "--topology", "v6e:2x2", "--sp_size", "2",
+               "--cfg_parallel", "--enable_cache", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fits" in out.stdout and "middle" in out.stdout and "cached (" in out.stdout
+    assert (tmp_path / "r.json").exists()
+    for args, message in [
+        (("--topology", "v7x:2x2"), "expected <generation>"),
+        (("--topology", "v6e:2x2x2"), "2-dimensional"),
+        (("--topology", "v6e:2x2", "--sp_size", "8"), "topology v6e:2x2 has 4"),
+        (("--topology", "v6e:2x4", "--sp_size", "4"), "has 8: give --sp_size 8"),
+    ]:
+        bad = _cli("--model", "wan-tiny-ti2v", *args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
+
+
+def test_missing_libtpu_is_named_with_the_install_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu -> ImportError
+    with pytest.raises(aot.AotError, match=r'pip install "jax\[tpu\]'):
+        aot.topology_devices("v6e:2x2")
+
+
+def test_fsdp_needs_a_mesh():
+    from tpu.backend import JaxBackend
+    model = build_model("wan-tiny-ti2v")
+    with pytest.raises(ValueError, match="several devices"):
+        JaxBackend({None: model}, SignalPlan(0, 1), weights="fsdp")
