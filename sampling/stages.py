@@ -279,11 +279,6 @@ class Probe(_Stage):
         r1 = None
         if plan.needs_residual:
             r1 = (image_stream(hidden) - image_stream(entry))[:, ::plan.downsample].float()
-            if plan.needs_reference and reference.shape[1:] != r1.shape[1:]:
-                # a placeholder: nothing stored yet, and the gate discards this call's tensor
-                # metric; comparing r1 with itself keeps the program's data flow (and its one
-                # collective) that of every later call
-                reference = r1
         sums = _TokenSums()
         finish = []  # per signal: sums [B, K'] -> [B]
         for technique, kind in plan.kinds:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from modules import ops
-from sampling.stages import SignalPlan, block_list_name, stages_for
+from sampling.stages import SignalPlan, block_list_name, reference_shape, stages_for
 from sharding import layout
 from sharding.layout import Layout
 
@@ -224,10 +224,12 @@ class JaxBackend:
         grid = model.grid(latent_shape)
         self.cond_names = tuple(cond_names)
         self.rope = tuple(self.put(r) for r in model.rope(grid))
-        # Stands in for block 0's stored residual before the first compute: the gate discards
-        # that call's tensor metric, so a broadcast zero per sample does (not [B, L, D]
-        # on every chip).
-        self.zero_reference = self.put(torch.zeros((latent_shape[0], 1, 1), dtype=torch.float32))
+        # Stands in for block 0's stored residual before the first compute (the gate discards
+        # that call's tensor metric). Only the FBCache tensor metric reads it: for any other
+        # plan one zero per sample does, not [B, L, D] fp32 on every chip.
+        shape = reference_shape(model, latent_shape[0], grid, plan) if plan.needs_reference \
+            else (latent_shape[0], 1, 1)
+        self.zero_reference = self.put(torch.zeros(shape, dtype=torch.float32))
         self._programs, self._weights_of = {}, {}
         for name, stage in stages_for(model, plan, self.cond_names, static, grid).items():
             program, names = self._jit(stage)
