@@ -66,6 +66,14 @@ class StagedDiT(nn.Module):
         """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
         return token_grid(latent_shape, self.config.patch_size)
 
+    def block_of(self, name: str) -> int | None:
+        """The block whose staged call reads parameter `name`; None: prepare or the head read it."""
+        for child, module in self.named_children():
+            if isinstance(module, nn.ModuleList) and len(module) == self.num_blocks \
+                    and name.startswith(child + "."):
+                return int(name[len(child) + 1:].split(".", 1)[0])
+        return None
+
     def sequence_length(self, grid) -> int:
         """Tokens of the image stream for a token grid (S2V adds reference and motion tokens)."""
         return math.prod(grid)

@@ -320,6 +320,13 @@ class WanS2VDiT(WanDiT):
 
     # --- geometry --------------------------------------------------------------------------
 
+    def block_of(self, name: str) -> int | None:
+        """The audio injector after block i is part of block i's staged call."""
+        for part in ("audio_injector.injector.", "audio_injector.injector_adain_layers."):
+            if name.startswith(part):
+                return self.config.audio_inject_layers[int(name[len(part):].split(".", 1)[0])]
+        return super().block_of(name)
+
     def sequence_length(self, grid) -> int:
         per_frame = grid[1] * grid[2]
         return grid[0] * per_frame + per_frame + _motion_tokens(per_frame)
@@ -379,9 +386,9 @@ class WanS2VDiT(WanDiT):
         ref = patchify(ref_latent, (1, *grid[1:]), self.patch_embedding)
         motion = self.frame_packer(self._last_motion_frames(motion_latents))
         h = torch.cat([h_BLD, ref, motion], dim=1)
-        part = torch.cat([torch.zeros(noisy, dtype=torch.long, device=x.device),
-                          torch.ones(ref.shape[1], dtype=torch.long, device=x.device),
-                          torch.full((motion.shape[1],), 2, dtype=torch.long, device=x.device)])
+        part = torch.cat([torch.zeros(noisy, dtype=torch.int32, device=x.device),
+                          torch.ones(ref.shape[1], dtype=torch.int32, device=x.device),
+                          torch.full((motion.shape[1],), 2, dtype=torch.int32, device=x.device)])
         h = h + self.trainable_cond_mask(part).float()
 
         e, e0 = self._embed_time(t[:, None])  # [B, 1, D], [B, 1, 6, D]

@@ -21,9 +21,9 @@ def noise_for(latent_shape, seed: int) -> torch.Tensor:
     return torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
 
 
-def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
-                seed: int, guidance=None, fused_cfg: bool = False) -> Sample:
-    """Put one trajectory's inputs on the device and build the backend's programs for them.
+def put_conditions(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
+                   guidance=None, fused_cfg: bool = False) -> tuple[dict, dict]:
+    """(branch -> condition tensors on the device, static switches) of one trajectory.
     fused_cfg: both CFG branches go in one batch-2 call, [uncond, cond] (the gate's `fused`)."""
     g_values = {pipe.guidance_for(e, guidance) for e, _ in pipe.experts}
     needed = ("cond", "uncond") if any(g != 1.0 for g in g_values) else ("cond",)
@@ -34,7 +34,15 @@ def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *
         host[branch], static = pipe.conditions(tensors, branch, image, latent_shape)
     if fused_cfg:
         host = {"pair": {k: torch.cat([host["uncond"][k], host["cond"][k]]) for k in host["cond"]}}
-    conds = {b: {k: backend.put(v) for k, v in kw.items()} for b, kw in host.items()}
+    return {b: {k: backend.put(v) for k, v in kw.items()} for b, kw in host.items()}, static
+
+
+def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
+                seed: int, guidance=None, fused_cfg: bool = False) -> Sample:
+    """Put one trajectory's inputs on the device and build the backend's programs for them
+    (another trajectory of the same shapes can reuse them: `put_conditions` and `noise_for`)."""
+    conds, static = put_conditions(backend, pipe, tensors, latent_shape, image=image,
+                                   guidance=guidance, fused_cfg=fused_cfg)
     names = tuple(next(iter(conds.values())))
     if pipe.meanflow:
         names += ("timestep_r",)
