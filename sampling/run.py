@@ -89,6 +89,12 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
             x = dry.step(i, v, x, lincomb)
     if sample.first_frame is not None:
         x = backend.replace_first_frame(x, sample.first_frame)
+    # From step 1 the probe reads the scheduler's latent (and the last one as `previous`). On a
+    # mesh its placement follows the model output's, which may differ from the noise's (Wan S2V's
+    # comes back split over frames), and a jitted program specialises on placements: run those.
+    for ref in (None, r1) if plan.needs_reference else (None,):
+        for previous in (sample.noise, x):
+            backend.probe(expert, x, t, conds, ref, previous)
     for updates in sample.cond_updates.values():  # the control guard's change measure
         for branch, new in updates.items():
             backend.relative_change(list(new.values()), [sample.conds[branch][n] for n in new])

@@ -186,6 +186,11 @@ def resolve(args) -> dict:
             raise UsageError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot "
                              f"run with --cfg_mode {args.cfg_mode}")
         config = dataclasses.replace(config, cfg_mode="fused")
+    if pipe.task == "s2v" and args.backend == "torch" and (args.sp_size > 1 or args.cfg_parallel):
+        # each rank holds a shard of the tokens, and the audio injection regroups all the noisy
+        # tokens by frame; the JAX backend's global-view programs run it (--backend jax)
+        raise UsageError(f"--model {pipe.name} runs sequence/CFG parallel on the JAX backend only; "
+                         "drop --backend torch or --sp_size/--cfg_parallel")
     if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
         raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
                          "(the parallel stages run eagerly)")

@@ -167,8 +167,10 @@ def test_clip_counts_and_geometry_are_checked():
 
 # --- the command ---------------------------------------------------------------------------------
 
-def _cli(cwd, *args):
+def _cli(cwd, *args, devices=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
                            "--model", NAME, *args, "--no_progress"], cwd=cwd, env=env,
                           capture_output=True, text=True)
@@ -186,6 +188,16 @@ def test_acceptance_command_runs_every_clip_without_loop_compiles(tmp_path):
     assert config["num_clips"] == 3 and config["video_length"] == 16
     header, *rows = (tmp_path / "trace.csv").read_text().splitlines()
     assert header.endswith(",clip") and rows[-1].endswith(",2") and len(rows) == 3 * 12 * 2
+
+
+def test_clips_on_a_sequence_and_cfg_parallel_mesh_compile_nothing_in_the_loop(tmp_path):
+    out = _cli(tmp_path, "--teacache", "--sp_size", "2", "--cfg_parallel", "--num_inference_steps",
+               "6", "--num_clips", "2", devices=4)
+    assert out.returncode == 0, out.stderr
+    assert "x4 (sp 2, cfg 2)" in out.stdout and "clip 1: pair" in out.stdout
+    assert "loop 0\n" in out.stdout
+    out = _cli(tmp_path, "--backend", "torch", "--sp_size", "2")
+    assert out.returncode == 2 and "sequence/CFG parallel on the JAX backend only" in out.stderr
 
 
 def _stage1(directory, tensors, **config):
