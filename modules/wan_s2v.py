@@ -100,8 +100,7 @@ class WanS2VConfig(WanDims):
 _S2V_14B = dict(dim=5120, ffn_dim=13824, num_layers=40, num_heads=40,
                 audio_inject_layers=(0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39))
 CONFIGS: dict[str, WanS2VConfig] = {
-    # wan/configs/wan_s2v_14B.py and the released config.json (model_spec-style facts in the
-    # README's S2V section).
+    # wan/configs/wan_s2v_14B.py (the transformer fields WanModel_S2V takes)
     "wan2.2-s2v-14b": WanS2VConfig(**_S2V_14B),
     # Tiny random-weight twin: 16 latent channels and 25 audio layers as the official modules
     # hard-code them; audio injected after blocks 0, 2 and 3 (the last one too, as block 39).

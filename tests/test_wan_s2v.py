@@ -325,7 +325,9 @@ def test_missing_audio_branch_keys_are_named(tmp_path):
         load_model(path)
 
 
-RELEASED_CONFIG = {  # the released Wan2.2-S2V-14B config.json (WanModel_S2V's registered args)
+# WanModel_S2V's registered arguments (what its config.json holds) with the values of
+# wan/configs/wan_s2v_14B.py; the released file itself was not at hand
+RELEASED_CONFIG = {
     "_class_name": "WanModel_S2V", "adain_mode": "attn_norm", "add_last_motion": True,
     "audio_dim": 1024, "audio_inject_layers": [0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39],
     "cond_dim": 16, "dim": 5120, "enable_adain": True, "enable_framepack": True,
