@@ -40,7 +40,6 @@ from modules.layers import (
     grid_positions,
     patchify,
     rope_angles_at,
-    timestep_sinusoid,
 )
 from modules.wan import WanAttention, WanBlock, WanDims, WanDiT
 
@@ -302,7 +301,7 @@ class WanS2VBlock(WanBlock):
         return tuple(torch.where(ctx.conditioning, c[:, 1:], c[:, :1]) for c in chunks)
 
     def forward(self, h_BXD, ctx: WanS2VContext, key_mask_BX=None):
-        return super().forward(h_BXD, ctx, ctx.key_mask)
+        return super().forward(h_BXD, ctx, ctx.key_mask)  # the context carries the clip's mask
 
 
 class WanS2VDiT(WanDiT):
@@ -465,5 +464,4 @@ class WanS2VDiT(WanDiT):
         return torch.cat([first, audio_BKCT], dim=-1)
 
 
-__all__ = ["CONFIGS", "KEEP_FP32", "WanS2VConfig", "WanS2VContext", "WanS2VDiT", "s2v_positions",
-           "timestep_sinusoid"]
+__all__ = ["CONFIGS", "KEEP_FP32", "WanS2VConfig", "WanS2VContext", "WanS2VDiT", "s2v_positions"]
