@@ -14,7 +14,8 @@ from .decision import SKIP, Decision, FailSafe
 
 TRACE_COLUMNS = ("step", "phase_step", "expert", "branch", "mode", "action", "reason", "failsafe",
                  "rel", "rescaled", "accum", "signal_teacache", "signal_fbcache",
-                 "signal_latent_delta", "signal_control_delta")
+                 "signal_latent_delta", "signal_control_delta",
+                 "clip")  # clip: which trajectory of a clip-by-clip run (S2V); empty otherwise
 
 
 @dataclass

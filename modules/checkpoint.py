@@ -52,9 +52,13 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
 _MARKERS = {
     ("wan", OFFICIAL): "blocks.0.self_attn.q.weight",
     ("wan", DIFFUSERS): "blocks.0.attn1.to_q.weight",
+    ("wan_s2v", OFFICIAL): "casual_audio_encoder.weights",
     ("hunyuan_video15", OFFICIAL): "double_blocks.0.img_attn_q.weight",
     ("hunyuan_video15", DIFFUSERS): "transformer_blocks.0.attn.add_q_proj.weight",
 }
+# A family whose checkpoints hold another's keys and more: its marker wins (S2V is a Wan DiT
+# with an audio branch).
+_EXTENDS = {("wan_s2v", OFFICIAL): ("wan", OFFICIAL)}
 # Wan2.1 I2V's CLIP branch, which Wan2.2 does not have (model_spec trap T8).
 _WAN21_I2V = re.compile(r"(^img_emb\.|\.k_img\.|\.add_k_proj\.|^condition_embedder\.image_embedder\.)")
 
@@ -162,6 +166,7 @@ def detect(keys) -> tuple[str, str]:
     """(family, layout) of a state dict's keys."""
     keys = set(keys)
     found = [fl for fl, marker in _MARKERS.items() if marker in keys]
+    found = [fl for fl in found if not any(_EXTENDS.get(other) == fl for other in found)]
     if len(found) != 1:
         sample = sorted(keys)[:5]
         raise CheckpointError("not a Wan2.2 or HunyuanVideo-1.5 DiT checkpoint in a known layout: "
@@ -179,7 +184,17 @@ def detect(keys) -> tuple[str, str]:
 def config_to_json(config, layout: str) -> dict:
     """config.json in a layout's own vocabulary, plus our exact config under `static_dit`."""
     fam, c = family_of(config), config
-    if fam.name == "wan":
+    if fam.name == "wan_s2v":
+        if layout != OFFICIAL:
+            raise CheckpointError("Wan2.2 S2V has no diffusers layout; save it as official")
+        own = dict(_class_name="WanModel_S2V", model_type="s2v", **_S2V_RELEASED,
+                   audio_inject_layers=list(c.audio_inject_layers), zero_timestep=c.zero_timestep,
+                   cond_dim=c.cond_dim, audio_dim=c.audio_dim, num_audio_token=c.num_audio_token,
+                   motion_frames=c.motion_frames, patch_size=list(c.patch_size),
+                   text_len=c.text_len, in_dim=c.in_dim, dim=c.dim, ffn_dim=c.ffn_dim,
+                   freq_dim=c.freq_dim, text_dim=c.text_dim, out_dim=c.out_dim,
+                   num_heads=c.num_heads, num_layers=c.num_layers, eps=c.eps)
+    elif fam.name == "wan":
         if layout == OFFICIAL:
             own = dict(_class_name="WanModel", model_type=c.model_type,
                        patch_size=list(c.patch_size), text_len=c.text_len, in_dim=c.in_dim,
@@ -221,6 +236,36 @@ _HY_FIXED = {"mm_single_blocks_depth": 0, "guidance_embed": False, "concat_condi
              "text_projection": "single_refiner", "vision_projection": "linear"}
 
 
+# Switches of WanModel_S2V that the released S2V-14B sets and modules/wan_s2v.py builds; the
+# official constructor's own defaults differ (motioner on, framepack off, no AdaIN).
+_S2V_RELEASED = {"enable_adain": True, "adain_mode": "attn_norm", "enable_motioner": False,
+                 "enable_framepack": True, "framepack_drop_mode": "padd", "add_last_motion": True,
+                 "enable_tsm": False, "trainable_token_pos_emb": False}
+_S2V_OFFICIAL_DEFAULTS = {"enable_adain": False, "enable_motioner": True,
+                          "enable_framepack": False, "adain_mode": "attn_norm",
+                          "framepack_drop_mode": "drop", "add_last_motion": True,
+                          "enable_tsm": False, "trainable_token_pos_emb": False}
+
+
+def _s2v_config(values: dict):
+    g = values.get
+    switches = {k: g(k, _S2V_OFFICIAL_DEFAULTS[k]) for k in _S2V_RELEASED}
+    # with every motion bucket kept (add_last_motion), the two drop modes compute the same
+    wrong = {k: v for k, v in switches.items() if v != _S2V_RELEASED[k]
+             and not (k == "framepack_drop_mode" and v == "drop")}
+    if wrong or not g("cond_dim"):
+        raise CheckpointError(f"config.json sets {wrong or {'cond_dim': g('cond_dim')}}; the "
+                              f"S2V model here is the released one: {_S2V_RELEASED}, cond_dim > 0")
+    return FAMILIES["wan_s2v"].config_cls(
+        dim=g("dim"), ffn_dim=g("ffn_dim"), num_layers=g("num_layers"), num_heads=g("num_heads"),
+        audio_inject_layers=tuple(g("audio_inject_layers", (0, 4, 8, 12, 16, 20, 24, 27))),
+        in_dim=g("in_dim", 16), out_dim=g("out_dim", 16), cond_dim=g("cond_dim"),
+        audio_dim=g("audio_dim", 5120), num_audio_token=g("num_audio_token", 4),
+        motion_frames=g("motion_frames", 73), zero_timestep=bool(g("zero_timestep", False)),
+        patch_size=tuple(g("patch_size", (1, 2, 2))), text_len=g("text_len", 512),
+        text_dim=g("text_dim", 4096), freq_dim=g("freq_dim", 256), eps=g("eps", 1e-6))
+
+
 def config_from_json(values: dict):
     """Our config from a config.json of either layout (released models) or one we saved."""
     if "static_dit" in values:
@@ -232,6 +277,8 @@ def config_from_json(values: dict):
     cls_name = values.get("_class_name", "")
     g = values.get
     try:
+        if cls_name == "WanModel_S2V" or g("model_type") == "s2v":
+            return _s2v_config(values)
         if cls_name == "WanModel" or "dim" in values and "num_heads" in values:
             if g("model_type") not in ("ti2v", "i2v", "t2v"):
                 raise CheckpointError(f"config.json model_type {g('model_type')!r}: expected a "
@@ -279,7 +326,7 @@ def config_from_json(values: dict):
     except TypeError as err:  # a field is missing (None where a number is needed)
         raise CheckpointError(f"config.json lacks a field of {cls_name or 'the model'}: {err}") from None
     raise CheckpointError(f"config.json describes {cls_name or 'an unknown model'!r}; expected "
-                          "a Wan2.2 or HunyuanVideo-1.5 transformer config")
+                          "a Wan2.2 or HunyuanVideo-1.5 transformer config (Wan2.2: T2V, I2V, TI2V, S2V)")
 
 
 def _config_beside(files: list[Path]):
@@ -385,6 +432,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, layout: s
     """
     if layout not in LAYOUTS:
         raise CheckpointError(f"layout {layout!r}: expected one of {LAYOUTS}")
+    config_json = config_to_json(model.config, layout)  # refuses a layout the family lacks
     directory = Path(directory)
     if directory.exists():
         raise CheckpointError(f"{directory} already exists; choose a new directory")
@@ -420,7 +468,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, layout: s
             total = sum(v.numel() * v.element_size() for v in state.values())
             (tmp / INDEX_NAME).write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        (tmp / "config.json").write_text(json.dumps(config_to_json(model.config, layout), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2))
         os.replace(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -66,6 +66,18 @@ class StagedDiT(nn.Module):
         """Token grid (f, h, w) of a latent [B, C, F, H, W]."""
         return token_grid(latent_shape, self.config.patch_size)
 
+    def block_of(self, name: str) -> int | None:
+        """The block whose staged call reads parameter `name`; None: prepare or the head read it."""
+        for child, module in self.named_children():
+            if isinstance(module, nn.ModuleList) and len(module) == self.num_blocks \
+                    and name.startswith(child + "."):
+                return int(name[len(child) + 1:].split(".", 1)[0])
+        return None
+
+    def sequence_length(self, grid) -> int:
+        """Tokens of the image stream for a token grid (S2V adds reference and motion tokens)."""
+        return math.prod(grid)
+
     def rope(self, grid, device=None):
         """RoPE tables for a token grid; build them once per shape and pass them to prepare()."""
         return rope_tables(grid, self.config.rope_axes, self.config.rope_theta, device)
@@ -121,17 +133,26 @@ def rope_tables(grid: tuple[int, int, int], axes_dims: tuple[int, int, int], the
 
 @functools.lru_cache(maxsize=16)
 def _rope_angles(grid, axes_dims, theta):
+    return rope_angles_at(grid_positions(grid), axes_dims, theta)
+
+
+def grid_positions(grid) -> np.ndarray:
+    """Integer (t, h, w) positions [L, 3] of a token grid in (f, h, w) raster order."""
+    axes = np.meshgrid(*(np.arange(n, dtype=np.float64) for n in grid), indexing="ij")
+    return np.stack([a.reshape(-1) for a in axes], axis=-1)
+
+
+def rope_angles_at(positions_L3: np.ndarray, axes_dims, theta: float):
+    """cos, sin [L, P] (fp32, read-only) for tokens at arbitrary, possibly negative, (t, h, w)
+    positions: axis j with d_j channels rotates d_j/2 pairs by pos * theta^(-2i/d_j), the
+    angles in float64 like the official code."""
     angles = []
-    for axis, (n, d) in enumerate(zip(grid, axes_dims, strict=True)):
+    for axis, d in enumerate(axes_dims):
         if d % 2:
             raise ValueError(f"RoPE axis {axis} has {d} channels; expected an even number")
         inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
-        pos = np.arange(n, dtype=np.float64)
-        shape = [1, 1, 1, d // 2]
-        shape[axis] = n
-        angle = (pos[:, None] * inv_freq[None, :]).reshape(shape)
-        angles.append(np.broadcast_to(angle, (*grid, d // 2)))
-    angle_LP = np.concatenate(angles, axis=-1).reshape(math.prod(grid), -1)
+        angles.append(positions_L3[:, axis, None] * inv_freq[None, :])
+    angle_LP = np.concatenate(angles, axis=-1)
     cos, sin = np.cos(angle_LP).astype(np.float32), np.sin(angle_LP).astype(np.float32)
     cos.flags.writeable = sin.flags.writeable = False  # shared by every caller
     return cos, sin

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modules import hunyuan_video15, wan
+from modules import hunyuan_video15, wan, wan_s2v
 from modules.layers import ModelConfigError
 
 
@@ -24,6 +24,8 @@ class Family:
 
 FAMILIES = {
     "wan": Family("wan", "Wan2.2 DiT", wan.WanConfig, wan.WanDiT, wan.CONFIGS, wan.KEEP_FP32),
+    "wan_s2v": Family("wan_s2v", "Wan2.2 S2V DiT", wan_s2v.WanS2VConfig, wan_s2v.WanS2VDiT,
+                      wan_s2v.CONFIGS, wan_s2v.KEEP_FP32),
     "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo-1.5 DiT",
                               hunyuan_video15.HunyuanVideo15Config,
                               hunyuan_video15.HunyuanVideo15DiT, hunyuan_video15.CONFIGS,

@@ -32,8 +32,28 @@ from modules.layers import (
 )
 
 
+class WanDims:
+    """What every Wan2.2 DiT config shares: its heads and their RoPE split."""
+
+    def _check_dims(self):
+        if self.dim % self.num_heads:
+            raise ModelConfigError(f"dim {self.dim} is not a multiple of num_heads {self.num_heads}")
+        if self.head_dim % 2 or min(self.rope_axes) <= 0:
+            raise ModelConfigError(f"head_dim {self.head_dim} must be even and at least 6 (RoPE)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def rope_axes(self) -> tuple[int, int, int]:
+        """Channels per axis (t, h, w): 44/42/42 for head_dim 128 (trap T5)."""
+        d = self.head_dim
+        return (d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6))
+
+
 @dataclass(frozen=True)
-class WanConfig:
+class WanConfig(WanDims):
     dim: int
     ffn_dim: int
     num_layers: int
@@ -51,20 +71,7 @@ class WanConfig:
     def __post_init__(self):
         if self.model_type not in ("ti2v", "i2v", "t2v"):
             raise ModelConfigError(f"model_type {self.model_type!r}: expected ti2v, i2v or t2v")
-        if self.dim % self.num_heads:
-            raise ModelConfigError(f"dim {self.dim} is not a multiple of num_heads {self.num_heads}")
-        if self.head_dim % 2 or min(self.rope_axes) <= 0:
-            raise ModelConfigError(f"head_dim {self.head_dim} must be even and at least 6 (RoPE)")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def rope_axes(self) -> tuple[int, int, int]:
-        """Channels per axis (t, h, w): 44/42/42 for head_dim 128 (trap T5)."""
-        d = self.head_dim
-        return (d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6))
+        self._check_dims()
 
 
 _WAN_A14B = dict(dim=5120, ffn_dim=13824, num_layers=40, num_heads=40, in_dim=36, out_dim=16,
@@ -107,13 +114,13 @@ class WanAttention(nn.Module):
         self.norm_q = RMSNorm(cfg.dim, cfg.eps)
         self.norm_k = RMSNorm(cfg.dim, cfg.eps)
 
-    def forward(self, x_BLD, kv_BSD, rope=None):
+    def forward(self, x_BLD, kv_BSD, rope=None, key_mask_BS=None):
         q = self.norm_q(self.q(x_BLD)).unflatten(-1, (self.num_heads, -1))
         k = self.norm_k(self.k(kv_BSD)).unflatten(-1, (self.num_heads, -1))
         v = self.v(kv_BSD).unflatten(-1, (self.num_heads, -1))
         if rope is not None:
             q, k = ops.rope(q, *rope), ops.rope(k, *rope)
-        return self.o(ops.attention(q, k, v).flatten(-2))
+        return self.o(ops.attention(q, k, v, key_mask_BS).flatten(-2))
 
 
 class WanBlock(nn.Module):
@@ -131,10 +138,11 @@ class WanBlock(nn.Module):
         """shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn, each [B, T, D] fp32."""
         return (self.modulation.float().unsqueeze(0) + ctx.e0).unbind(2)
 
-    def forward(self, h_BLD: torch.Tensor, ctx: WanContext) -> torch.Tensor:
+    def forward(self, h_BLD: torch.Tensor, ctx: WanContext, key_mask_BL=None) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = self.modulation_chunks(ctx)
         y = ops.layer_norm_modulate(h_BLD, shift_msa, scale_msa, self.eps)
-        h_BLD = h_BLD + self.self_attn(y, y, (ctx.rope_cos, ctx.rope_sin)).float() * gate_msa
+        y = self.self_attn(y, y, (ctx.rope_cos, ctx.rope_sin), key_mask_BL)
+        h_BLD = h_BLD + y.float() * gate_msa
         y = self.norm3(h_BLD)
         h_BLD = h_BLD + self.cross_attn(y, ctx.context).float()
         y = ops.layer_norm_modulate(h_BLD, shift_ffn, scale_ffn, self.eps)
@@ -155,6 +163,8 @@ class WanHead(nn.Module):
 
 
 class WanDiT(StagedDiT):
+    block_cls = WanBlock  # S2V swaps in its segmented-modulation block
+
     def __init__(self, cfg: WanConfig):
         super().__init__()
         self.config = cfg
@@ -166,7 +176,7 @@ class WanDiT(StagedDiT):
                                             Linear(d, d))
         self.time_embedding = time_mlp(cfg.freq_dim, d)
         self.time_projection = nn.Sequential(nn.SiLU(), Linear(d, 6 * d))
-        self.blocks = nn.ModuleList(WanBlock(cfg) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(self.block_cls(cfg) for _ in range(cfg.num_layers))
         self.head = WanHead(cfg)
 
     # --- staged API ------------------------------------------------------------------------
@@ -201,20 +211,26 @@ class WanDiT(StagedDiT):
         else:
             raise ModelConfigError(f"timestep has shape {tuple(t.shape)}; expected [{batch}] or "
                                    f"[{batch}, {tokens}] (one per token)")
-        e = self.time_embedding(timestep_sinusoid(t_BT, cfg.freq_dim)).float()
-        e0 = self.time_projection(e).float().unflatten(-1, (6, cfg.dim))
+        e, e0 = self._embed_time(t_BT)
+        context = self._embed_text(context, batch)
+        if rope is None:
+            rope = self.rope(grid, x.device)
+        return h_BLD, WanContext(e, e0, context, *rope)
 
+    def _embed_time(self, t_BT):
+        """e [B, T, D] and e0 [B, T, 6, D], fp32 (model_spec 2.2 step 3)."""
+        e = self.time_embedding(timestep_sinusoid(t_BT, self.config.freq_dim)).float()
+        return e, self.time_projection(e).float().unflatten(-1, (6, self.config.dim))
+
+    def _embed_text(self, context, batch: int):
+        cfg = self.config
         if context.ndim != 3 or context.shape[0] != batch or context.shape[2] != cfg.text_dim \
                 or context.shape[1] > cfg.text_len:
             raise ModelConfigError(f"context has shape {tuple(context.shape)}; expected "
                                    f"[{batch}, <= {cfg.text_len}, {cfg.text_dim}]")
         # Pad before the MLP and attend to the padding: that is what the model was trained on (T3).
         context = nn.functional.pad(context, (0, 0, 0, cfg.text_len - context.shape[1]))
-        context = self.text_embedding(context)
-
-        if rope is None:
-            rope = self.rope(grid, x.device)
-        return h_BLD, WanContext(e, e0, context, *rope)
+        return self.text_embedding(context)
 
     def block(self, i: int, h_BLD: torch.Tensor, ctx: WanContext) -> torch.Tensor:
         return self.blocks[i](h_BLD, ctx)

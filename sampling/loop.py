@@ -33,6 +33,10 @@ class CompileCounts:
         return CompileCounts(self.lowered - other.lowered, self.backend - other.backend,
                              self.cache_hits - other.cache_hits)
 
+    def __add__(self, other: "CompileCounts") -> "CompileCounts":
+        return CompileCounts(self.lowered + other.lowered, self.backend + other.backend,
+                             self.cache_hits + other.cache_hits)
+
 
 class Backend(Protocol):
     """What the loop needs from a backend (JAX through torchax, or torch)."""

@@ -3,6 +3,8 @@ and the stage-1 tensors it reads. The one place these defaults live (model_spec 
 
 A pipeline turns stage-1 tensors into per-branch keyword arguments of the model's `prepare`
 (`conditions`), and says how a timestep is fed (`timestep_input`, per token for TI2V image mode).
+Speech-to-video (`task` "s2v") samples clip by clip (`sampling/clips.py`): `clip_inputs` cuts
+one clip's tensors out of the stage-1 ones, and `conditions` maps those.
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ class Pipeline:
     name: str
     family: str  # "wan" or "hunyuan_video15"
     experts: tuple[tuple[str | None, str], ...]  # (expert, model config name); None = one model
-    task: str  # "t2v", "i2v" (image conditioning) or "ti2v" (text, optionally a first frame)
+    task: str  # "t2v", "i2v" (image conditioning), "ti2v" (text, optionally a first frame), "s2v"
     solver: str
     shift: float
     guidance: float | tuple[float, float]  # Wan2.2 I2V-A14B: (low-noise, high-noise) (trap T7)
     steps: int
-    size: tuple[int, int, int]  # default (height, width, frames)
+    size: tuple[int, int, int]  # default (height, width, frames); S2V: frames of one clip
     vae_stride: tuple[int, int]  # (temporal, spatial)
     boundary: float | None = None  # expert switch: "high" while t >= boundary (trap T6)
     checkpoint_dirs: dict = field(default_factory=dict)  # expert -> subfolder of --model_path
+    clips: int = 1  # S2V: clips of synthetic audio (stage files: as many as the audio holds)
 
     @property
     def config(self):
@@ -83,6 +86,8 @@ class Pipeline:
         """[1, C, F, H, W] for a clip, checked against the VAE and patch strides."""
         st, ss = self.vae_stride
         patch = self.config.patch_size
+        if self.task == "s2v":
+            return self._s2v_latent_shape(height, width, frames)
         if frames < 1 or (frames - 1) % st:
             raise ValueError(f"video_length {frames}: expected 4k + 1 frames (the VAE is causal "
                              f"with temporal stride {st}), e.g. {((frames - 1) // st) * st + 1}")
@@ -92,6 +97,20 @@ class Pipeline:
                 raise ValueError(f"{name} {value}: expected a positive multiple of {unit} "
                                  f"(VAE stride {ss} x patch {patch[1]})")
         return 1, self.latent_channels, (frames - 1) // st + 1, height // ss, width // ss
+
+    def _s2v_latent_shape(self, height, width, frames):
+        # official: infer_frames = 4n, each clip continuing 73 motion frames, so its latent has
+        # (frames + 3 + 73) // 4 - 19 = frames / 4 frames; the 4x motion bucket needs H, W / 8
+        st, ss = self.vae_stride
+        if frames < st or frames % st:
+            raise ValueError(f"video_length {frames}: S2V clips have a multiple of {st} frames "
+                             f"(the official infer_frames, e.g. 80 or 48)")
+        unit = ss * 8
+        for name, value in (("height", height), ("width", width)):
+            if value < unit or value % unit:
+                raise ValueError(f"{name} {value}: expected a positive multiple of {unit} (VAE "
+                                 f"stride {ss} x the 8-latent-pixel motion packing)")
+        return 1, self.latent_channels, frames // st, height // ss, width // ss
 
     # --- stage-1 tensors ----------------------------------------------------------------------
 
@@ -112,18 +131,75 @@ class Pipeline:
         else:
             for p in neg:
                 specs[f"{p}prompt_embeds"] = TensorSpec((1, None, cfg.text_dim), doc="umT5")
-            if self.task == "i2v":
+            if self.task == "s2v":
+                specs.update(self._s2v_specs(latent_shape))
+            elif self.task == "i2v":
                 specs["condition"] = TensorSpec((1, cfg.in_dim - c, f, h, w),
                                                 doc="[mask 4 | image latent] (trap T9)")
             elif image:
                 specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
         return specs
 
+    def _s2v_specs(self, latent_shape) -> dict[str, TensorSpec]:
+        cfg, (_, c, _, h, w) = self.config, latent_shape
+        return {
+            "ref_latents": TensorSpec((1, c, 1, h, w), doc="VAE latent of the reference image"),
+            "audio_embeds": TensorSpec(
+                (1, cfg.audio_layers, cfg.audio_dim, None),
+                doc="wav2vec2 hidden states per video frame at 16 fps for every clip, as the "
+                    "official encode_audio returns them"),
+            "motion_latents": TensorSpec(
+                (1, c, None, h, w), required=False,
+                doc="VAE latents of the motion history (the last 73 frames); absent: the first "
+                    "clip drops its motion tokens (official drop_first_motion)"),
+            "pose_latents": TensorSpec((1, cfg.cond_dim, None, h, w), required=False,
+                                       doc="VAE latents of a pose video, F per clip"),
+        }
+
+    def clip_count(self, tensors: dict, latent_shape) -> int:
+        """S2V: the clips the audio holds; raises ValueError on lengths that do not fit."""
+        per_clip = latent_shape[2] * self.vae_stride[0]
+        frames = tensors["audio_embeds"].shape[-1]
+        if frames < per_clip or frames % per_clip:
+            raise ValueError(f"audio_embeds has {frames} frames; expected a positive multiple of "
+                             f"the {per_clip} frames of a clip (the official audio bucketing pads "
+                             "the audio to whole clips)")
+        clips = frames // per_clip
+        pose = tensors.get("pose_latents")
+        if pose is not None and pose.shape[2] < clips * latent_shape[2]:
+            raise ValueError(f"pose_latents has {pose.shape[2]} frames; {clips} clips need "
+                             f"{clips * latent_shape[2]}")
+        return clips
+
+    def clip_inputs(self, tensors: dict, clip: int, motion, latent_shape) -> dict:
+        """The stage-1 tensors of clip `clip`: its audio (and pose) window, the motion history
+        to continue (None: the first clip without one, whose motion tokens are hidden)."""
+        frames = latent_shape[2]
+        per_clip = frames * self.vae_stride[0]
+        out = {k: tensors[k] for k in ("prompt_embeds", "negative_prompt_embeds", "ref_latents")
+               if k in tensors}
+        out["audio"] = tensors["audio_embeds"][..., clip * per_clip: (clip + 1) * per_clip]
+        hidden = motion is None
+        if hidden:  # any values: the key mask hides them
+            motion = torch.zeros((*latent_shape[:2], self.config.motion_latent_frames,
+                                  *latent_shape[3:]))
+        out["motion_latents"] = motion
+        out["motion_mask"] = torch.tensor([0.0 if hidden else 1.0])
+        if "pose_latents" in tensors:
+            out["pose"] = tensors["pose_latents"][:, :, clip * frames: (clip + 1) * frames]
+        return out
+
     def synthesize(self, latent_shape, cfg_on: bool, image: bool, seed: int) -> dict:
         """Stage-1 tensors of the right shapes, drawn from `seed` (no text encoder needed)."""
         gen = torch.Generator().manual_seed(seed)
         cfg, out = self.config, {}
         for name, spec in self.stage1_specs(latent_shape, cfg_on, image).items():
+            if not spec.required:
+                continue
+            if name == "audio_embeds":  # wav2vec2 features of every clip's frames
+                shape = (*spec.shape[:3], self.clips * latent_shape[2] * self.vae_stride[0])
+                out[name] = torch.randn(shape, generator=gen)
+                continue
             shape = tuple(cfg.text_len // 2 if d is None else d for d in spec.shape)
             if "mask" in name:
                 mask = torch.zeros(shape, dtype=torch.int64)
@@ -155,6 +231,15 @@ class Pipeline:
                 kw.update(cond=cond, vision=tensors["image_embeds"].float())
             return kw, {"i2v": image}
         kw = {"context": tensors[f"{p}prompt_embeds"].float()}
+        if self.task == "s2v":  # one clip's tensors (clip_inputs); no speech for uncond (official)
+            audio = tensors["audio"].float()
+            kw.update(ref_latent=tensors["ref_latents"].float(),
+                      motion_latents=tensors["motion_latents"].float(),
+                      audio=torch.zeros_like(audio) if branch == "uncond" else audio,
+                      motion_mask=tensors["motion_mask"].float())
+            if "pose" in tensors:
+                kw["pose"] = tensors["pose"].float()
+            return kw, {}
         if self.task == "i2v":
             kw["y"] = tensors["condition"].float()
         return kw, {}
@@ -214,6 +299,12 @@ PIPELINES: dict[str, Pipeline] = {
     "wan-tiny-i2v": Pipeline("wan-tiny-i2v", "wan", (("high", "wan-tiny-i2v"), ("low", "wan-tiny-i2v")),
                              "i2v", "unipc", 5.0, (3.5, 3.5), 40, (64, 96, 9), (4, 8),
                              boundary=900.0),
+    # wan/configs/wan_s2v_14B.py: shift 3, 40 steps, guidance 4.5; generate.py: unipc, 80 frames
+    # a clip; 704 x 1280 is the largest 64-multiple size within the default 1280*720 area
+    "wan2.2-s2v-14b": Pipeline("wan2.2-s2v-14b", "wan", ((None, "wan2.2-s2v-14b"),), "s2v",
+                               "unipc", 3.0, 4.5, 40, (704, 1280, 80), (4, 8)),
+    "wan-tiny-s2v": Pipeline("wan-tiny-s2v", "wan", ((None, "wan-tiny-s2v"),), "s2v", "unipc",
+                             3.0, 4.5, 40, (64, 64, 16), (4, 8), clips=3),
 }
 DEFAULT_PIPELINE = "hunyuanvideo-tiny"
 

@@ -21,9 +21,9 @@ def noise_for(latent_shape, seed: int) -> torch.Tensor:
     return torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
 
 
-def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
-                seed: int, guidance=None, fused_cfg: bool = False) -> Sample:
-    """Put one trajectory's inputs on the device and build the backend's programs for them.
+def put_conditions(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
+                   guidance=None, fused_cfg: bool = False) -> tuple[dict, dict]:
+    """(branch -> condition tensors on the device, static switches) of one trajectory.
     fused_cfg: both CFG branches go in one batch-2 call, [uncond, cond] (the gate's `fused`)."""
     g_values = {pipe.guidance_for(e, guidance) for e, _ in pipe.experts}
     needed = ("cond", "uncond") if any(g != 1.0 for g in g_values) else ("cond",)
@@ -34,7 +34,15 @@ def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *
         host[branch], static = pipe.conditions(tensors, branch, image, latent_shape)
     if fused_cfg:
         host = {"pair": {k: torch.cat([host["uncond"][k], host["cond"][k]]) for k in host["cond"]}}
-    conds = {b: {k: backend.put(v) for k, v in kw.items()} for b, kw in host.items()}
+    return {b: {k: backend.put(v) for k, v in kw.items()} for b, kw in host.items()}, static
+
+
+def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *, image: bool,
+                seed: int, guidance=None, fused_cfg: bool = False) -> Sample:
+    """Put one trajectory's inputs on the device and build the backend's programs for them
+    (another trajectory of the same shapes can reuse them: `put_conditions` and `noise_for`)."""
+    conds, static = put_conditions(backend, pipe, tensors, latent_shape, image=image,
+                                   guidance=guidance, fused_cfg=fused_cfg)
     names = tuple(next(iter(conds.values())))
     if pipe.meanflow:
         names += ("timestep_r",)
@@ -85,7 +93,13 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
             x = dry.step(i, v, x, lincomb)
     if sample.first_frame is not None:
         x = backend.replace_first_frame(x, sample.first_frame)
-    backend.probe(expert, x, t, conds, None, sample.noise)  # a stepped latent, and a previous one
+    # From step 1 the probe reads the scheduler's latent (and the last one as `previous`). A
+    # jitted program specialises on placements: should a latent come back placed unlike the
+    # noise (before the JAX layout returned results whole, Wan S2V's came back split over
+    # frames), the program compiles here, not in the loop.
+    for ref in (None, r1) if plan.needs_reference else (None,):
+        for previous in (sample.noise, x):
+            backend.probe(expert, x, t, conds, ref, previous)
     for updates in sample.cond_updates.values():  # the control guard's change measure
         for branch, new in updates.items():
             backend.relative_change(list(new.values()), [sample.conds[branch][n] for n in new])

@@ -27,9 +27,10 @@ from modules.registry import build_model
 
 from .budget import BudgetError, load_curve, threshold_for
 from .cli import command
+from .clips import sample_clips
 from .fidelity import fidelity
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
-from .run import make_sample, sample_once
+from .run import make_sample, noise_for, sample_once
 from .schedulers import SOLVERS, SchedulerError
 from .sinks import format_histograms, histograms, plot_traces, write_tensorboard
 from .stage_io import EMBEDDINGS, StageFileError, read_config, read_stage1, write_stage2
@@ -66,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sample_shift", type=float)
     g.add_argument("--seed", type=int, help=f"noise (and synthetic inputs) seed (default: the "
                    f"input config's, else {DEFAULT_SEED})")
+    g.add_argument("--num_clips", type=int, help="speech-to-video: clips to sample, each "
+                   "--video_length frames (default: all the audio holds)")
     g = parser.add_argument_group("backend")
     g.add_argument("--backend", choices=("jax", "torch"), default="jax",
                    help="jax (torchax programs; TPU, GPU, CPU) or torch (CUDA, Ascend NPU, CPU)")
@@ -193,6 +196,11 @@ def resolve(args) -> dict:
     if args.weight_sharding == "fsdp" and args.sp_size == 1 and not args.cfg_parallel:
         raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
                          "devices; give --sp_size > 1 or --cfg_parallel")
+    if pipe.task == "s2v" and args.backend == "torch" and (args.sp_size > 1 or args.cfg_parallel):
+        # each rank holds a shard of the tokens, and the audio injection regroups all the noisy
+        # tokens by frame; the JAX backend's global-view programs run it (--backend jax)
+        raise UsageError(f"--model {pipe.name} runs sequence/CFG parallel on the JAX backend only; "
+                         "drop --backend torch or --sp_size/--cfg_parallel")
     if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
         raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
                          "(the parallel stages run eagerly)")
@@ -203,9 +211,13 @@ def resolve(args) -> dict:
     if args.warmup_steps < 0:
         raise UsageError(f"--warmup_steps {args.warmup_steps}: expected >= 0")
     if args.model_path is None and not pipe.name.endswith(("tiny", "tiny-ti2v", "tiny-i2v",
-                                                           "tiny-meanflow")):
+                                                           "tiny-meanflow", "tiny-s2v")):
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
-                         f"(or pick a tiny model: hunyuanvideo-tiny, wan-tiny-ti2v, wan-tiny-i2v)")
+                         f"(or pick a tiny model: hunyuanvideo-tiny, wan-tiny-ti2v, wan-tiny-i2v, "
+                         f"wan-tiny-s2v)")
+    if args.num_clips is not None and pipe.task != "s2v":
+        raise UsageError(f"--num_clips belongs to speech-to-video models; {pipe.name} samples one "
+                         "clip")
     guidance = _guidance(args.guidance_scale if args.guidance_scale is not None
                          else stage1.get("guidance_scale"), pipe)
     seed = args.seed if args.seed is not None else int(stage1.get("seed", DEFAULT_SEED))
@@ -228,6 +240,16 @@ def resolve(args) -> dict:
     else:
         image = pipe.task == "i2v"
         tensors = pipe.synthesize(latent_shape, cfg_on, image, seed)
+    clips = None
+    if pipe.task == "s2v":
+        try:
+            available = pipe.clip_count(tensors, latent_shape)
+        except ValueError as exc:
+            raise StageFileError(str(exc)) from None
+        clips = args.num_clips or stage1.get("num_clips") or available
+        if not 1 <= clips <= available:
+            raise UsageError(f"--num_clips {clips}: the audio holds {available} clips of "
+                             f"{latent_shape[2] * pipe.vae_stride[0]} frames")
     output_dir = args.output_dir or args.input_dir or "stage_outputs"
     for flag in ("telemetry_json", "telemetry_csv", "plot_png"):
         _check_writable_file(flag, getattr(args, flag))
@@ -239,7 +261,7 @@ def resolve(args) -> dict:
                 guidance=guidance,
                 solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
                 size=(int(height), int(width), int(frames)), tensors=tensors, stage1=stage1,
-                image=image, output_dir=output_dir, dtype=dtype)
+                image=image, output_dir=output_dir, dtype=dtype, clips=clips)
 
 
 def _check_writable_file(flag: str, path: str | None) -> None:
@@ -376,31 +398,47 @@ def _run(args, r, layout) -> dict:
     models = load_models(pipe, args.model_path, r["dtype"])
     plan = SignalPlan.from_config(config)
     backend = make_backend(args, models, plan, layout)
-    sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
-                         seed=r["seed"], guidance=r["guidance"],
-                         fused_cfg=config.cfg_mode == "fused")
-    common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"])
+    sample = None  # speech-to-video builds its samples clip by clip
+    if pipe.task != "s2v":
+        sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
+                             seed=r["seed"], guidance=r["guidance"],
+                             fused_cfg=config.cfg_mode == "fused")
     began = time.perf_counter()
-    traj = sample_once(backend, config, sample,
-                       progress=_progress(writer and not args.no_progress),
-                       warmup_rounds=args.warmup_steps, **common)
-    latents = backend.get(traj.latents)
+    latents, traj, noise = _sample(backend, config, r, sample,
+                                   progress=_progress(writer and not args.no_progress),
+                                   warmup_rounds=args.warmup_steps)
     report = _report(r, traj, backend, plan, args, time.perf_counter() - began)
     if args.compare:
         # caching off, same CFG pairing (a fused sample is called as one pair)
-        base = sample_once(backend, CMConfig(cfg_mode=config.cfg_mode), sample, warmup_rounds=0,
-                           **common)
-        reference = backend.get(base.latents)
+        reference, base, _ = _sample(backend, CMConfig(cfg_mode=config.cfg_mode), r, sample,
+                                     warmup_rounds=0)
         report["compare"] = {
             "uncached_loop_seconds": base.stats.wall_seconds,
             "speedup": base.stats.wall_seconds / traj.stats.wall_seconds,
             "loop_compiles_uncached": _counts(base.loop_compiles),
-            **fidelity(latents, reference, backend.get(sample.noise)),
+            **fidelity(latents, reference, noise),
         }
     report["writer"] = writer
     if writer:
         _write(r, latents, report, args)
     return report
+
+
+def _sample(backend, config, r, sample, *, progress=None, warmup_rounds=1):
+    """(host latents, trajectory, host initial noise) of one run of `sample`; speech-to-video
+    (sample None) samples its clips one after another, their trajectories read as one."""
+    pipe = r["pipe"]
+    common = dict(solver=r["solver"], steps=r["steps"], shift=r["shift"], progress=progress,
+                  warmup_rounds=warmup_rounds)
+    if sample is None:
+        clips = sample_clips(backend, config, pipe, r["tensors"], r["latent_shape"], seed=r["seed"],
+                             guidance=r["guidance"], fused_cfg=config.cfg_mode == "fused",
+                             clips=r["clips"], **common)
+        noise = torch.cat([noise_for(r["latent_shape"], r["seed"] + c) for c in range(r["clips"])],
+                          dim=2)
+        return clips.latents, clips.merged(), noise
+    traj = sample_once(backend, config, sample, **common)
+    return backend.get(traj.latents), traj, backend.get(sample.noise)
 
 
 def _counts(c):
@@ -417,6 +455,7 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         "model": r["pipe"].name, "steps": r["steps"], "solver": r["solver"], "shift": r["shift"],
         "guidance": r["guidance"] if r["guidance"] is not None else r["pipe"].guidance,
         "latent_shape": list(r["latent_shape"]), "tokens": r["pipe"].tokens(r["latent_shape"]),
+        "num_clips": r["clips"],
         "attention": backend.attention, "device": backend.device_name(), "backend": args.backend,
         "cache": {"modes": list(gate.config.modes), "preset": args.preset,
                   "probe_blocks": plan.fn_blocks,
@@ -439,6 +478,7 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
             "estimated": (mean(full) * len(stats.step_seconds) / stats.wall_seconds) if full else None,
         },
         "budget": r["budget"],
+        "clips": summary.get("clips"),  # speech-to-video: computed/reused per clip and branch
         "summary": summary,
         "histograms": histograms(gate.telemetry.trace, r["steps"]),
         "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
@@ -461,9 +501,10 @@ def _write(r, latents, report, args):
                   sample_solver=r["solver"], sample_shift=r["shift"],
                   stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
                   synthetic_inputs=args.input_dir is None, sp_size=args.sp_size,
+                  **({"num_clips": r["clips"]} if r["clips"] else {}),
                   cfg_parallel=args.cfg_parallel, **_cache_metadata(r["config"]))
     meta = {k: config[k] for k in ("height", "width", "video_length", "num_inference_steps",
-                                   "guidance_scale", "seed", "model")}
+                                   "guidance_scale", "seed", "model", "num_clips") if k in config}
     meta.update(elapsed_time=report["time"]["stage_seconds"], device=report["device"],
                 **_cache_metadata(r["config"]))
     out = latents.to(r["dtype"]) if r["dtype"] == torch.bfloat16 else latents
@@ -489,7 +530,9 @@ def format_summary(report: dict) -> str:
     lines = [
         f"stage 2: {report['model']}  {report['steps']} steps {report['solver']} "
         f"(shift {report['shift']})  guidance {report['guidance']}  latents "
-        f"{report['latent_shape']} ({report['tokens']} tokens)  {report['device']}, "
+        f"{report['latent_shape']} ({report['tokens']} tokens)"
+        + (f" x {report['num_clips']} clips" if report.get("num_clips") else "")
+        + f"  {report['device']}, "
         f"attention {report['attention']}",
         f"cache: {', '.join(report['cache']['modes']) or 'off'}"
         + (f"  preset {report['cache']['preset']}" if report["cache"]["preset"] else "")
@@ -502,6 +545,9 @@ def format_summary(report: dict) -> str:
     for e, br in report["experts"].items():
         lines.append(f"  expert {e}: " + "; ".join(f"{b} {v['computed']}/{v['reused']}"
                                                     for b, v in br.items()))
+    for i, br in enumerate(report.get("clips") or ()):
+        lines.append(f"  clip {i}: " + "; ".join(f"{b} {v['computed']}/{v['reused']}"
+                                                 for b, v in br.items()) + " (computed/reused)")
     if report["cache"]["preset"] or report["cache"]["config"].get("dry_run"):
         cfg = report["cache"]["config"]
         shown = {k: cfg[k] for k in ("teacache", "fbcache", "deepcache", "bn_blocks", "forecast",

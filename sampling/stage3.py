@@ -110,6 +110,11 @@ def resolve(args) -> dict:
     if name not in PIPELINES:
         raise UsageError(f"unknown model {name!r}; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
+    if pipe.task == "s2v":
+        # each clip decodes with its motion history in front and keeps its own frames (official
+        # WanS2V.generate); the latents of stage 2 are the clips end to end, without histories
+        raise UsageError(f"{name}: stage 3 does not decode speech-to-video clips yet (they need "
+                         "a per-clip decode with the motion history in front)")
     channels = pipe.latent_channels
     if latents.dim() != 5 or latents.shape[0] != 1:
         raise StageFileError(f"{LATENTS}: latents have shape {list(latents.shape)}; expected "

@@ -30,6 +30,7 @@ from torch import nn
 from cache import CMConfig
 from modules.hunyuan_video15 import HunyuanContext, HunyuanVideo15DiT
 from modules.wan import WanContext, WanDiT
+from modules.wan_s2v import WanS2VContext, WanS2VDiT
 from sharding import layout
 
 EPS = 1e-8
@@ -89,8 +90,9 @@ class SignalPlan:
 # Context fields with one row per image token, by token axis: a local-view layout cuts them like
 # the image stream before the blocks read them. Wan's e/e0 hold one row (one timestep) or L rows
 # (TI2V per-token timesteps); HunyuanVideo's key mask spans [image | text] and is left whole
-# for the attention to split.
+# for the attention to split. Wan S2V's sequence is [noisy | reference | motion] tokens.
 TOKEN_AXES = {WanContext: {"e": 1, "e0": 1, "rope_cos": 0, "rope_sin": 0},
+              WanS2VContext: {"rope_cos": 0, "rope_sin": 0, "conditioning": 0},
               HunyuanContext: {"rope_cos": 0, "rope_sin": 0}}
 
 
@@ -109,6 +111,8 @@ def replicated_key_lengths(model) -> tuple[int, ...]:
 
 
 def context_type(model: nn.Module):
+    if isinstance(model, WanS2VDiT):  # before WanDiT, its base
+        return WanS2VContext
     if isinstance(model, WanDiT):
         return WanContext
     if isinstance(model, HunyuanVideo15DiT):
@@ -128,7 +132,7 @@ def hidden_dim(model) -> int:
 
 def reference_shape(model, batch: int, grid, plan: SignalPlan) -> tuple[int, int, int]:
     """Shape of block 0's (downsampled) residual, the FBCache tensor-metric reference."""
-    return batch, math.ceil(math.prod(grid) / plan.downsample), hidden_dim(model)
+    return batch, math.ceil(model.sequence_length(grid) / plan.downsample), hidden_dim(model)
 
 
 def _mean_abs(x):
@@ -177,13 +181,13 @@ def _tree_map(fn, hidden):
     return (fn(hidden[0]), *hidden[1:]) if isinstance(hidden, tuple) else fn(hidden)
 
 
-class _OnBlockWeights(nn.Module):
-    """Calls fn(*args) as a module, so that torch.func.functional_call can hand it blocks whose
-    weights a layout gathered (FSDP) without the model knowing."""
+class _OnModel(nn.Module):
+    """Calls fn(*args) as a module holding the model, so that torch.func.functional_call can
+    hand it the weights a layout gathered (FSDP) without the model knowing."""
 
     def __init__(self, model: nn.Module, fn):
         super().__init__()
-        self.blocks = getattr(model, block_list_name(model))  # params named blocks.i.*
+        self.model = model  # params named model.*
         object.__setattr__(self, "fn", fn)  # not a submodule
 
     def forward(self, *args):
@@ -191,28 +195,19 @@ class _OnBlockWeights(nn.Module):
 
 
 def with_block_weights(model, indices, fn, *args):
-    """fn(*args), reading the weights of blocks `indices` as the current layout gives them:
-    whole, gathered just before (FSDP), so only the blocks at hand are ever whole on a device."""
+    """fn(*args), reading the weights of blocks `indices` (`model.block_of`) as the current
+    layout gives them: whole, gathered just before (FSDP), so only the blocks at hand are ever
+    whole on a device."""
     lay = layout.current()
     if not lay.splits_weights:
         return fn(*args)
-    call = _OnBlockWeights(model, fn)
-    whole = lay.block_weights({f"blocks.{i}.{n}": p for i in indices
-                               for n, p in call.blocks[i].named_parameters()})
-    return torch.func.functional_call(call, whole, args)
+    params = {f"model.{n}": p for n, p in model.named_parameters() if model.block_of(n) in indices}
+    return torch.func.functional_call(_OnModel(model, fn), lay.block_weights(params), args)
 
 
 def run_block(model, i: int, hidden, ctx):
     """model.block(i, hidden, ctx) with block i's weights as the current layout gives them."""
     return with_block_weights(model, (i,), model.block, i, hidden, ctx)
-
-
-def block_list_name(model) -> str:
-    """Attribute name of the model's block list (`blocks`, `double_blocks`)."""
-    for name, child in model.named_children():
-        if isinstance(child, nn.ModuleList) and len(child) == model.num_blocks:
-            return name
-    raise TypeError(f"{type(model).__name__} has no list of {model.num_blocks} blocks")
 
 
 class _Stage(nn.Module):
@@ -236,10 +231,8 @@ class _Stage(nn.Module):
     def uses_parameter(self, name: str) -> bool:
         """Whether `name` (as in self.named_parameters()) is read by this stage: a backend passes
         only those, since passing every block's weights to a 2-block program costs dispatch time."""
-        prefix = f"model.{block_list_name(self.model)}."
-        if not name.startswith(prefix):
-            return self.embeddings
-        return int(name[len(prefix):].split(".", 1)[0]) in self.blocks_used()
+        block = self.model.block_of(name.removeprefix("model."))
+        return self.embeddings if block is None else block in self.blocks_used()
 
 
 class Probe(_Stage):

@@ -10,6 +10,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import json  # noqa: E402
 import re  # noqa: E402
 
+import torch  # noqa: E402
+
 from cache import CMConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
@@ -47,6 +49,9 @@ def main(name: str):
     shape = pipe.latent_shape(*pipe.size)
     image = pipe.task == "i2v"
     tensors = pipe.synthesize(shape, True, image, 0)
+    if pipe.task == "s2v":  # one clip (the clip loop only swaps tensors), its history shown
+        history = torch.randn(1, 16, 19, *shape[3:], generator=torch.Generator().manual_seed(1))
+        tensors = pipe.clip_inputs(tensors, 1, history, shape)
 
     def run(config, mesh, weights="replicated"):
         fused = config.cfg_mode == "fused"

@@ -1,8 +1,9 @@
 """Sequence and CFG parallel on JAX, on 8 emulated CPU devices (tests/sp_jax_check.py runs in its
 own process: the device-count flag must be set before jax starts, and this process has started it).
 
-For tiny models of both families, with caching off, TeaCache and FBCache (its tensor metric, so
-the stored reference is sharded too): sp = 2, 4, 8 and CFG parallel (cfg 2 x sp 2, cfg 2 x sp 4)
+For tiny models of both families and of Wan2.2 S2V (one clip, its motion history shown), with
+caching off, TeaCache and FBCache (its tensor metric, so the stored reference is sharded too):
+sp = 2, 4, 8 and CFG parallel (cfg 2 x sp 2, cfg 2 x sp 4)
 give the single-device latents within 1e-5 relative and the same per-step decision trace (one
 controller decides for every shard, from signals reduced over sp), the loop compiles nothing,
 and the probe holds exactly one all-reduce however many signals it reads.
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("hunyuanvideo-tiny", "wan-tiny-i2v")
+FAMILIES = ("hunyuanvideo-tiny", "wan-tiny-i2v", "wan-tiny-s2v")
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def facts():
     procs = {name: subprocess.Popen([sys.executable, str(ROOT / "tests" / "sp_jax_check.py"), name],
                                     cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
-             for name in FAMILIES}  # both at once: one per core
+             for name in FAMILIES}  # all at once: the cores stay busy
     out = {}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=900)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from modules import ops
-from sampling.stages import SignalPlan, block_list_name, reference_shape, stages_for
+from sampling.stages import SignalPlan, reference_shape, stages_for
 from sharding import layout
 from sharding.layout import Layout
 
@@ -165,7 +165,6 @@ class JaxBackend:
         if plan.fn_blocks + plan.bn_blocks > blocks:
             raise ValueError(f"probe blocks ({plan.fn_blocks}) + tail blocks ({plan.bn_blocks}) "
                              f"exceed the model's {blocks} blocks")
-        self._blocks_prefix = f"{block_list_name(self.template)}."
         self.params = {expert: self._weights(model) for expert, model in models.items()}
         self.ops = JaxOps(self._call)
         self._programs = None
@@ -187,7 +186,7 @@ class JaxBackend:
         """A weight's sharding: the layout's rule on a mesh (replicated or FSDP), else None."""
         if self.mesh is None:
             return self._placement
-        return self.layout.weight_sharding(shape, name.startswith(self._blocks_prefix))
+        return self.layout.weight_sharding(shape, self.template.block_of(name) is not None)
 
     def _place(self, array):
         """Inputs are replicated on a mesh; GSPMD splits the work from there."""
