@@ -50,12 +50,15 @@ class TeaCacheConfig:
             try:
                 found = resolve_profile(name) if self.policy.startswith("poly:") else None
             except ProfileError as exc:
-                raise ConfigError(str(exc)) from None
+                raise ConfigError(str(exc), field="TeaCacheConfig.policy",
+                                  value=self.policy) from None
             if found is None:
                 raise ConfigError(
                     f"TeaCacheConfig.policy must be 'linear' or 'poly:<profile>' with a profile "
                     f"among {', '.join(sorted(PROFILES))} or a calibrated profile file "
-                    f"(.json); got {self.policy!r}")
+                    f"(.json); got {self.policy!r}", field="TeaCacheConfig.policy",
+                    value=self.policy, expected="linear, or poly: and a profile among "
+                    f"{', '.join(sorted(PROFILES))} or a calibrated profile file (.json)")
         if self.signal is not None:
             check_choice("TeaCacheConfig", "signal", self.signal, SIGNALS)
             profile = self.profile
@@ -63,7 +66,8 @@ class TeaCacheConfig:
                 raise ConfigError(
                     f"TeaCache profile {self.policy!r} was fitted on the {profile.signal} signal, "
                     f"but signal={self.signal!r} was asked for; drop the signal setting or pick a "
-                    f"profile fitted on {self.signal}")
+                    f"profile fitted on {self.signal}", field="TeaCacheConfig.signal",
+                    value=self.signal)
 
     @cached_property
     def profile(self):
