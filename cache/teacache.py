@@ -2,8 +2,14 @@
 stays under a threshold.
 
 signature = mean |block-0 modulated input| (reduced over the sequence group by the backend);
-rel = |sig - prev| / (|prev| + eps); rescaled = policy(rel); accum += rescaled;
+rel = |sig - prev| / (|prev| + eps); rescaled = max(policy(rel), 0); accum += rescaled;
 skip while accum < threshold; every compute resets accum (the residual is fresh again).
+
+The rescaled change estimates how much the model output changed: a magnitude, never negative.
+A `poly:` profile evaluated outside the rel range it was fitted on can return a negative value
+(its polynomial extrapolates); accumulated, that would make the accumulator fall step after
+step and the gate reuse until the last step whatever the threshold. So it is clamped at zero,
+and the gate counts the clamps and the evaluations outside the fitted range (Note.*).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
-from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
+from .decision import Note, Reason, Vote, is_finite, relative_change, threshold_vote
 from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS, ProfileError, resolve_profile
 from .validate import ConfigError, check_choice, check_float, check_int
 
@@ -111,11 +117,20 @@ def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
         return Vote(False, Reason.NO_REFERENCE), state
     if state.ema_rel is not None and config.ema > 0:
         rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
-    rescaled = config.rescale(rel, ctx.expert)
-    if not is_finite(rescaled):
+    raw = config.rescale(rel, ctx.expert)
+    if not is_finite(raw):
         return None, TeaCacheState()
+    notes = ()
+    profile = config.profile
+    if profile is not None:
+        side = profile.outside(rel, ctx.expert)
+        notes = {None: (), "below": (Note.PROFILE_BELOW_RANGE,),
+                 "above": (Note.PROFILE_ABOVE_RANGE,)}[side]
+    if raw < 0:  # a magnitude: see the module docstring
+        notes += (Note.RESCALE_CLAMPED,)
+    rescaled = max(raw, 0.0)
     accum = state.accum + rescaled
-    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rescaled),
+    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rescaled, notes),
             replace(state, accum=accum, ema_rel=rel))
 
 

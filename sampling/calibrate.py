@@ -93,22 +93,26 @@ def sweep(backend, pipe, tensors_by_seed, latent_shape, profile_path, *, signal,
 
 
 def fit(pairs, degree: int) -> dict:
-    """Coefficients (highest power first) over all pairs and per expert, with R^2."""
+    """Coefficients (highest power first) over all pairs and per expert, with R^2 and the range
+    of rel values each fit saw (the gate counts evaluations outside it)."""
     def one(points):
         x = np.array([p[1] for p in points])
         y = np.array([p[2] for p in points])
         coefficients = np.polyfit(x, y, degree)
         residual = y - np.polyval(coefficients, x)
         r2 = 1.0 - residual.var() / y.var() if y.var() > 0 else 1.0
-        return [float(c) for c in coefficients], float(r2), len(points)
+        return [float(c) for c in coefficients], float(r2), len(points), [float(x.min()),
+                                                                           float(x.max())]
 
-    coefficients, r2, n = one(pairs)
-    out = {"coefficients": coefficients, "r2": r2, "points": n, "experts": {}, "experts_r2": {}}
+    coefficients, r2, n, rel_range = one(pairs)
+    out = {"coefficients": coefficients, "r2": r2, "points": n, "rel_range": rel_range,
+           "experts": {}, "experts_r2": {}, "experts_rel_range": {}}
     experts = sorted({p[0] for p in pairs if p[0] is not None})
     for expert in experts:
         points = [p for p in pairs if p[0] == expert]
         if len(points) > degree + 1:
-            out["experts"][expert], out["experts_r2"][expert], _ = one(points)
+            (out["experts"][expert], out["experts_r2"][expert], _,
+             out["experts_rel_range"][expert]) = one(points)
     return out
 
 

@@ -517,10 +517,33 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
             "estimated": (mean(full) * len(stats.step_seconds) / stats.wall_seconds) if full else None,
         },
         "budget": r["budget"],
+        "warnings": profile_warnings(gate.config, summary, gate.telemetry.trace),
         "summary": summary,
         "histograms": histograms(gate.telemetry.trace, r["steps"]),
         "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
     }
+
+
+def profile_warnings(config: CMConfig, summary: dict, trace) -> list[str]:
+    """One line when a poly: profile was evaluated outside the rel range it was fitted on (its
+    polynomial extrapolates there), or when a rescaled change came out negative (counted as 0)."""
+    notes = summary.get("notes", {})
+    below, above = notes.get("profile_below_range", 0), notes.get("profile_above_range", 0)
+    clamped = notes.get("rescale_clamped", 0)
+    if not (below or above or clamped) or config.teacache is None:
+        return []
+    profile = config.teacache.profile
+    measured = sum(row["rel"] is not None for row in trace)
+    parts = []
+    if below or above:
+        low, high = profile.rel_range or next(iter(profile.expert_ranges.values()))
+        parts.append(f"TeaCache profile {config.teacache.policy} was evaluated outside the rel "
+                     f"range it was fitted on [{low:.3g}, {high:.3g}] on {below + above} of "
+                     f"{measured} measured calls ({below} below, {above} above): its rescaled "
+                     "change there is extrapolated; recalibrate on runs like this one")
+    if clamped:
+        parts.append(f"{clamped} rescaled changes came out negative and counted as 0")
+    return ["; ".join(parts)]
 
 
 def mean(xs):
@@ -595,6 +618,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  resolved: {shown}, limits {cfg['limits']}")
     if report["failsafes"]:
         lines.append(f"  fail-safes: {report['failsafes']}")
+    lines += [f"  warning: {w}" for w in report.get("warnings", [])]
     lines += format_histograms(report.get("histograms", {}))
     w, lp = c["warmup"], c["loop"]
     if w is None:

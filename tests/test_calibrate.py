@@ -48,6 +48,10 @@ def test_fit_recovers_a_known_polynomial():
     result = calibrate.fit(pairs, degree=2)
     assert result["coefficients"] == pytest.approx([2.0, 0.5, 0.01], abs=1e-9)
     assert result["r2"] == pytest.approx(1.0) and set(result["experts"]) == {"high", "low"}
+    # the rel values each fit saw: the gate counts evaluations outside them
+    assert result["rel_range"] == [0.0, pytest.approx(0.2)]
+    assert result["experts_rel_range"]["low"] == [0.0, pytest.approx(x[-2])]
+    assert result["experts_rel_range"]["high"] == [pytest.approx(x[1]), pytest.approx(0.2)]
 
 
 def test_a_bad_profile_file_is_a_config_error(tmp_path):
