@@ -94,6 +94,7 @@ class Vote(NamedTuple):
     rescaled: float | None = None
     accum: float | None = None
     notes: tuple[Note, ...] = ()
+    threshold: float | None = None  # the one the accumulator was held against, all factors in
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def threshold_vote(threshold: float, accum: float, rel: float, rescaled: float,
     (an accumulator of 0, a signal that did not move, would otherwise skip)."""
     skip = threshold > 0 and accum < threshold
     return Vote(skip, Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD, rel, rescaled,
-                accum, notes)
+                accum, notes, threshold)
 
 
 def relative_change(current: float, previous: float, eps: float) -> float:

@@ -85,6 +85,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--teacache_signal", choices=SIGNALS,
                    help="what the signature summarises (default: the profile's, else modulated_input)")
     g.add_argument("--teacache_ema", type=float, help=d(TeaCacheConfig, "ema") + "; smooths rel")
+    g.add_argument("--teacache_relative", type=_bool,
+                   help="true: --teacache_thresh counts multiples of the mean change the signal "
+                        "showed so far (its own scale; the presets' unit), false: absolute units "
+                        + d(TeaCacheConfig, "relative"))
 
     g = parser.add_argument_group("caching: FBCache")
     g.add_argument("--fb_thresh", type=float, help=d(FBCacheConfig, "threshold"))
@@ -150,6 +154,7 @@ FIELD_FLAGS = {
     "TeaCacheConfig.policy": ("--teacache_policy", "teacache_policy"),
     "TeaCacheConfig.signal": ("--teacache_signal", "teacache_signal"),
     "TeaCacheConfig.ema": ("--teacache_ema", "teacache_ema"),
+    "TeaCacheConfig.relative": ("--teacache_relative", "teacache_relative"),
     "FBCacheConfig.threshold": ("--fb_thresh", "fb_thresh"),
     "FBCacheConfig.metric": ("--fb_metric", "fb_metric"),
     "FBCacheConfig.downsample": ("--fb_downsample", "fb_downsample"),

@@ -246,7 +246,7 @@ class CacheManager:
         notes = tuple(n for v in votes.values() if v is not None for n in v.notes)
         state.row = self.telemetry.record(decision, phase_step=call.phase_step,
                                           accum=vote.accum if vote else None, signals=signals,
-                                          notes=notes)
+                                          notes=notes, threshold=vote.threshold if vote else None)
         state.last = decision
         if is_follower and lead is not None:
             self.telemetry.record_pair(lead.action, decision)

@@ -5,6 +5,13 @@ signature = mean |block-0 modulated input| (reduced over the sequence group by t
 rel = |sig - prev| / (|prev| + eps); rescaled = max(policy(rel), 0); accum += rescaled;
 skip while accum < threshold; every compute resets accum (the residual is fresh again).
 
+With `relative`, the threshold is in units of the signal's own scale: multiples of the mean
+rescaled change measured so far in the phase (every call since the run or the expert began,
+skipped or not), so skip while accum < threshold * mean. A model whose signature moves 100x
+slower per step then takes the same decisions at the same setting (rel and its mean scale
+alike), which absolute thresholds cannot: what 0.08 means depends on the model. The presets use
+it. A signal that never moved (mean 0) computes every step: there is no scale to judge by.
+
 The rescaled change estimates how much the model output changed: a magnitude, never negative.
 A `poly:` profile evaluated outside the rel range it was fitted on can return a negative value
 (its polynomial extrapolates); accumulated, that would make the accumulator fall step after
@@ -39,6 +46,8 @@ class TeaCacheConfig:
         signal: what the signature summarises; defaults to the profile's signal, else the
             block-0 modulated input.
         ema: exponential smoothing of rel (seed 002); 0 turns it off.
+        relative: the threshold counts multiples of the mean rescaled change so far in the
+            phase instead of absolute units (see the module docstring).
     """
 
     threshold: float = 0.08
@@ -46,11 +55,16 @@ class TeaCacheConfig:
     signal: str | None = None
     ema: float = 0.0  # smooths rel before rescaling: ema * previous + (1 - ema) * rel; 0 = off
     downsample: int = 1  # token stride of the modulated-input signature (seed 002's diff stride)
+    relative: bool = False
 
     def __post_init__(self):
         check_float("TeaCacheConfig", "threshold", self.threshold)
         check_int("TeaCacheConfig", "downsample", self.downsample, minimum=1)
         check_float("TeaCacheConfig", "ema", self.ema, below=1.0)
+        if not isinstance(self.relative, bool):
+            raise ConfigError(f"TeaCacheConfig.relative must be True or False, got {self.relative!r}",
+                              field="TeaCacheConfig.relative", value=self.relative,
+                              expected="true or false")
         if self.policy != "linear":
             name = self.policy.removeprefix("poly:")
             try:
@@ -97,6 +111,8 @@ class TeaCacheState:
     prev_sig: float | None = None
     accum: float = 0.0
     ema_rel: float | None = None
+    seen_sum: float = 0.0  # rescaled changes measured in this phase, and how many (relative mode)
+    seen: int = 0
 
 
 State = TeaCacheState
@@ -130,8 +146,12 @@ def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
         notes += (Note.RESCALE_CLAMPED,)
     rescaled = max(raw, 0.0)
     accum = state.accum + rescaled
-    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rescaled, notes),
-            replace(state, accum=accum, ema_rel=rel))
+    seen_sum, seen = state.seen_sum + rescaled, state.seen + 1
+    threshold = config.threshold * ctx.threshold_scale
+    if config.relative:
+        threshold *= seen_sum / seen
+    return (threshold_vote(threshold, accum, rel, rescaled, notes),
+            replace(state, accum=accum, ema_rel=rel, seen_sum=seen_sum, seen=seen))
 
 
 def refresh(state: TeaCacheState) -> TeaCacheState:

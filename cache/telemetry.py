@@ -14,7 +14,7 @@ from .decision import SKIP, Decision, FailSafe, Note
 
 TRACE_COLUMNS = ("step", "phase_step", "expert", "branch", "mode", "action", "reason", "failsafe",
                  "rel", "rescaled", "accum", "signal_teacache", "signal_fbcache",
-                 "signal_latent_delta", "signal_control_delta", "notes")
+                 "signal_latent_delta", "signal_control_delta", "notes", "threshold")
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Telemetry:
             yield self.experts[decision.expert][decision.branch]
 
     def record(self, decision: Decision, *, phase_step: int, accum, signals,
-               notes: tuple[Note, ...] = ()) -> dict:
+               notes: tuple[Note, ...] = (), threshold: float | None = None) -> dict:
         self.notes.update(str(n) for n in notes)
         for stats in self._stats(decision):
             stats.notes.update(str(n) for n in notes)
@@ -96,6 +96,7 @@ class Telemetry:
             "signal_latent_delta": getattr(signals, "latent_delta", None),
             "signal_control_delta": getattr(signals, "control_delta", None),
             "notes": "+".join(notes) or None,
+            "threshold": threshold,
         }
         self.trace.append(row)
         return row

@@ -141,7 +141,10 @@ def plot_traces(traces: dict, path: str, thresholds: dict | None = None) -> str:
             if any(r.get(key) is not None for r in rows):
                 ax.plot(steps, [r.get(key) if r.get(key) is not None else math.nan for r in rows],
                         style, label=key.removeprefix("signal_"), lw=1.0)
-        if thresholds and thresholds.get(title) is not None:
+        if any(r.get("threshold") is not None for r in rows):  # per call (relative, noise_adapt)
+            ax.plot(steps, [r.get("threshold") if r.get("threshold") is not None else math.nan
+                            for r in rows], color="grey", lw=0.8, ls="--", label="threshold")
+        elif thresholds and thresholds.get(title) is not None:
             ax.axhline(thresholds[title], color="grey", lw=0.8, ls="--", label="threshold")
         reused = [r["step"] for r in rows if r["action"] == "skip"]
         ax.scatter(reused, [0.0] * len(reused), marker="|", color="k", s=60, label="reused")

@@ -316,3 +316,45 @@ def test_a_profile_without_a_fitted_range_still_loads_and_is_still_clamped(tmp_p
     assert run(g, OUT_OF_RANGE_SIGS) == {"cond": "CSSSSSSCSCCC"}
     assert g.summary()["notes"] == {"profile_below_range": 0, "profile_above_range": 0,
                                     "rescale_clamped": 5}
+
+
+def test_teacache_relative_threshold_counts_multiples_of_the_mean_change():
+    """rel 0.02 every step: the mean is 0.02, so threshold 1.5 means 0.03 (worked by hand):
+    warmup | .02 S | .04 C | .02 S | .04 C | .02 S | .04 C | .02 S | .04 C | last."""
+    config = CMConfig(teacache=TeaCacheConfig(threshold=1.5, relative=True))
+    g = gate(config, 10)
+    assert run(g, [1.02 ** k for k in range(10)]) == {"cond": "CSCSCSCSCC"}
+    assert [r["threshold"] for r in g.telemetry.trace[1:]] == [pytest.approx(0.03)] * 9
+    # a varying rel: .01, .01, .04, .01 -> means .01, .01, .02, .0175 -> thresholds x1.5
+    sigs = [1.0, 1.01, 1.01 * 1.01, 1.01 * 1.01 * 1.04, 1.01 * 1.01 * 1.04 * 1.01, 1.0]
+    g = gate(config, 6)
+    run(g, sigs)
+    rows = g.telemetry.trace
+    assert [r["threshold"] for r in rows[1:5]] == [pytest.approx(v) for v in
+                                                   (0.015, 0.015, 0.03, 0.02625)]
+    assert [r["action"] for r in rows[1:5]] == ["skip", "compute", "compute", "skip"]
+
+
+def test_teacache_relative_threshold_takes_the_same_decisions_on_a_100x_quieter_signal():
+    rels = [0.02, 0.01, 0.03, 0.005, 0.02, 0.04, 0.01, 0.01, 0.02, 0.03, 0.01]
+
+    def signatures(scale):
+        sigs = [1.0]
+        for r in rels:
+            sigs.append(sigs[-1] * (1 + r * scale))
+        return sigs
+
+    def actions(config, scale):
+        return run(gate(config, len(rels) + 1), signatures(scale))["cond"]
+
+    relative = CMConfig(teacache=TeaCacheConfig(threshold=2.0, relative=True))
+    assert actions(relative, 1.0) == actions(relative, 0.01)
+    assert "S" in actions(relative, 1.0) and actions(relative, 1.0).count("C") > 2
+    absolute = CMConfig(teacache=TeaCacheConfig(threshold=0.05))
+    assert actions(absolute, 0.01) == "C" + "S" * (len(rels) - 1) + "C"  # 0.05 is never reached
+    assert actions(absolute, 1.0) != actions(absolute, 0.01)
+
+
+def test_a_signal_that_never_moves_computes_in_relative_mode():
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=3.0, relative=True)), 6)
+    assert run(g, [1.0] * 6) == {"cond": "CCCCCC"}
