@@ -1,15 +1,21 @@
-"""Presets side by side: computed-block fraction, wall-time speedup and fidelity against uncached.
+"""Presets side by side: computed fraction, wall-time speedup and fidelity against uncached, on
+models whose TeaCache signals move on scales 100x apart (issue 16: the names must hold on all).
 
-    python bench/presets.py [--steps 50] [--blocks 16] [--plot bench/results/presets_trace.png]
+    python bench/presets.py [--steps 50] [--blocks 16] [--scales quiet,benchmark,loud]
+                            [--backend jax|torch] [--plot bench/results/presets_trace.png]
 
-Tiny-but-deep random-weight models of both families, made smooth in t (bench/workload.py), run
-on the JAX backend with CFG. For each preset (and DeepCache 11/45/4 for reference) it prints:
+Tiny-but-deep random-weight models of both families, made smooth in t (bench/workload.py) at
+three settings of `SIGNAL_SCALES`, run with CFG. The reference is TeaCache at threshold 0 (it
+computes every call, bit-identical to caching off, and measures the signal: `signal` is the
+median per-step rel of the cond branch). For each preset (and DeepCache 11/45/4) it prints:
+  calls    fraction of model calls that ran the block stack
   blocks   fraction of block evaluations the run performed (reused calls run Fn + Bn blocks)
-  wall     uncached loop time / the preset's loop time (a CPU figure: small programs, 2 cores)
-  PSNR, rel L2, rel/disp   the final latents against the uncached run's; rel/disp divides the
-           error by how far the uncached run moved from the initial noise (benchmark_workload.md)
-It draws each run's per-step change, accumulator and reused steps for the cond branch into
---plot (default bench/results/presets_trace.png; matplotlib, in requirements-dev.txt).
+  wall     reference loop time / the preset's loop time (a CPU figure: small programs, 2 cores)
+  PSNR, rel L2, rel/disp   the final latents against the reference's; rel/disp divides the
+           error by how far the reference moved from the initial noise (benchmark_workload.md)
+and whether safe >= balanced >= turbo in PSNR on each model. It draws each run's per-step
+change, accumulator, threshold and reused steps for the cond branch of the benchmark-scale
+models into --plot (matplotlib, in requirements-dev.txt).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.workload import smooth_in_t  # noqa: E402
-from cache import CMConfig, DeepCacheConfig  # noqa: E402
+from bench.workload import SIGNAL_SCALES, signal_scale, smooth_in_t  # noqa: E402
+from cache import CMConfig, DeepCacheConfig, TeaCacheConfig  # noqa: E402
 from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
 from cache.preset import PRESETS  # noqa: E402
 from modules import hunyuan_video15, wan  # noqa: E402
@@ -32,14 +38,14 @@ from modules.registry import build_model  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
-from sampling.sinks import plot_traces  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
-from tpu.backend import JaxBackend  # noqa: E402
+
+ORDERED = ("safe", "balanced", "turbo")  # most faithful first, as the names promise
+REFERENCE = CMConfig(teacache=TeaCacheConfig(threshold=0.0))  # computes every call
 
 
 def preset_config(name: str) -> CMConfig:
-    import argparse as ap
-    parser = ap.ArgumentParser()
+    parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
     return config_from_args(parser.parse_args(["--preset", name]))
 
@@ -74,48 +80,96 @@ def blocks_fraction(traj, num_blocks, plan) -> float:
     return run / (len(rows) * num_blocks)
 
 
+def calls_fraction(traj) -> float:
+    rows = traj.gate.telemetry.trace
+    return sum(r["action"] == "compute" for r in rows) / len(rows)
+
+
+def make_backend(kind, model, plan):
+    if kind == "torch":
+        from torch_backend.backend import TorchBackend
+        return TorchBackend({None: model}, plan)
+    from tpu.backend import JaxBackend
+    return JaxBackend({None: model}, plan)
+
+
+def measure(pipe, cfg, scale, runs, *, steps, backend="jax", repeats=2):
+    """{run: {"traj", "calls", "blocks", "wall", fidelity...}} for one model; the reference
+    under "reference" (with "signal", the median per-step rel)."""
+    torch.manual_seed(0)
+    model = smooth_in_t(build_model(cfg), **SIGNAL_SCALES[scale])
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = pipe.synthesize(shape, True, False, 0)
+    out, base = {}, None
+    for name, config in {"reference": REFERENCE, **runs}.items():
+        plan = SignalPlan.from_config(config)
+        be = make_backend(backend, model, plan)
+        sample = make_sample(be, pipe, tensors, shape, image=False, seed=0)
+        best = None
+        for _ in range(repeats):  # best of `repeats`, after warm-up
+            traj = sample_once(be, config, sample, solver=pipe.solver, steps=steps,
+                               shift=pipe.shift, step_sync=False, warmup_rounds=0 if best else 1)
+            best = traj if best is None or traj.stats.wall_seconds < best.stats.wall_seconds else best
+        latents = be.get(best.latents)
+        row = {"traj": best, "calls": calls_fraction(best),
+               "blocks": blocks_fraction(best, cfg.num_layers, plan)}
+        if base is None:
+            base = (latents, best.stats.wall_seconds, be.get(sample.noise))
+            row.update(wall=1.0, signal=signal_scale(best.gate.telemetry.trace))
+        else:
+            row.update(wall=base[1] / best.stats.wall_seconds, **fidelity(latents, base[0], base[2]))
+        out[name] = row
+    return out
+
+
+def in_order(results) -> bool:
+    """safe >= balanced >= turbo in PSNR (the names' promise)."""
+    psnr = [results[p]["psnr_db"] for p in ORDERED]
+    return all(a >= b for a, b in zip(psnr, psnr[1:], strict=False))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--scales", default=",".join(SIGNAL_SCALES),
+                    help=f"comma-separated among {', '.join(SIGNAL_SCALES)}")
+    ap.add_argument("--backend", choices=("jax", "torch"), default="jax")
     ap.add_argument("--plot", default="bench/results/presets_trace.png",
                     help="PNG path for the per-step trace plot ('' for none)")
     args = ap.parse_args()
+    if args.backend == "torch":
+        torch.set_num_threads(1)  # 2 shared cores: more threads spin-wait under contention
     runs = {**{p: preset_config(p) for p in PRESETS},
             "deepcache 11/45/4": CMConfig(deepcache=DeepCacheConfig())}
-    traces = {}
-    print("init: smooth in t (bench/workload.py: low-pass period 300 timesteps, modulation x3), "
-          "seed 0; CFG on; fp32; JAX backend on CPU")
+    traces, verdicts = {}, []
+    print(f"init: smooth in t (bench/workload.py), signal scales {args.scales}, seed 0; CFG on; "
+          f"fp32; {args.backend} backend on CPU")
     for title, pipe, cfg in cases(args.blocks):
-        torch.manual_seed(0)
-        model = smooth_in_t(build_model(cfg))
-        shape = pipe.latent_shape(*pipe.size)
-        tensors = pipe.synthesize(shape, True, False, 0)
-        print(f"\n{title}: {args.blocks} blocks, latent {list(shape)} "
-              f"({pipe.tokens(shape)} tokens), {args.steps} steps")
-        print(f"{'run':20s} {'blocks':>7s} {'wall':>6s} {'PSNR dB':>8s} {'rel L2':>9s} {'rel/disp':>9s}")
-        base = None
-        for name, config in {"uncached": CMConfig(), **runs}.items():
-            plan = SignalPlan.from_config(config)
-            backend = JaxBackend({None: model}, plan)
-            sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0)
-            best = None
-            for _ in range(2):  # best of two, after warm-up
-                traj = sample_once(backend, config, sample, solver=pipe.solver, steps=args.steps,
-                                   shift=pipe.shift, step_sync=False,
-                                   warmup_rounds=0 if best else 1)
-                best = traj if best is None or traj.stats.wall_seconds < best.stats.wall_seconds else best
-            latents = backend.get(best.latents)
-            if base is None:
-                base = (latents, best.stats.wall_seconds, backend.get(sample.noise))
-                print(f"{name:20s} {1.0:7.3f} {1.0:5.2f}x {'-':>8s} {'-':>9s} {'-':>9s}")
-                continue
-            f = fidelity(latents, base[0], base[2])
-            print(f"{name:20s} {blocks_fraction(best, cfg.num_layers, plan):7.3f} "
-                  f"{base[1] / best.stats.wall_seconds:5.2f}x {f['psnr_db']:8.1f} "
-                  f"{f['rel_l2']:9.2e} {f['rel_to_displacement']:9.2e}")
-            traces[(title, name)] = best.gate.telemetry.trace
-    if args.plot:
+        for scale in args.scales.split(","):
+            results = measure(pipe, cfg, scale, runs, steps=args.steps, backend=args.backend)
+            ref = results["reference"]
+            shape = pipe.latent_shape(*pipe.size)
+            print(f"\n{title}, {scale} ({SIGNAL_SCALES[scale]}): {args.blocks} blocks, latent "
+                  f"{list(shape)} ({pipe.tokens(shape)} tokens), {args.steps} steps; signal: "
+                  f"median TeaCache rel {ref['signal']:.2e} per step")
+            print(f"{'run':20s} {'calls':>6s} {'blocks':>7s} {'wall':>6s} {'PSNR dB':>8s} "
+                  f"{'rel L2':>9s} {'rel/disp':>9s}")
+            print(f"{'reference':20s} {1.0:6.3f} {1.0:7.3f} {1.0:5.2f}x {'-':>8s} {'-':>9s} {'-':>9s}")
+            for name in runs:
+                r = results[name]
+                print(f"{name:20s} {r['calls']:6.3f} {r['blocks']:7.3f} {r['wall']:5.2f}x "
+                      f"{r['psnr_db']:8.1f} {r['rel_l2']:9.2e} {r['rel_to_displacement']:9.2e}")
+                if scale == "benchmark":
+                    traces[(title, name)] = r["traj"].gate.telemetry.trace
+            verdicts.append((f"{title}, {scale}", ref["signal"], in_order(results),
+                             [results[p]["psnr_db"] for p in ORDERED]))
+    print("\nsafe >= balanced >= turbo in PSNR:")
+    for model, signal, ok, psnr in verdicts:
+        print(f"  {model:38s} signal {signal:.1e}  {'yes' if ok else 'NO '}  "
+              + " >= ".join(f"{v:.1f}" for v in psnr))
+    if args.plot and traces:
+        from sampling.sinks import plot_traces
         print(f"plot: {plot_traces({f'{t}: {n}': rows for (t, n), rows in traces.items()}, args.plot)}")
 
 

@@ -101,14 +101,21 @@ class CMConfig:
         check_float("CMConfig", "offload_watermark", self.offload_watermark)
         if self.offload_watermark > 1.0:
             raise ConfigError(f"CMConfig.offload_watermark is a fraction of device memory in "
-                              f"(0, 1], got {self.offload_watermark!r}")
+                              f"[0, 1], got {self.offload_watermark!r}",
+                              field="CMConfig.offload_watermark", value=self.offload_watermark,
+                              expected="a fraction of device memory in [0, 1]")
         check_int("CMConfig", "fn_blocks", self.fn_blocks, allow_none=True)
         check_int("CMConfig", "bn_blocks", self.bn_blocks, allow_none=True)
         if self.fn_blocks == 0 and self.fbcache is not None and self.fbcache.needs_block0:
             raise ConfigError(f"FBCache metric {self.fbcache.metric!r} needs block 0 in the probe; "
-                              f"set fn_blocks >= 1 or leave it unset")
+                              f"set fn_blocks >= 1 or leave it unset", field="CMConfig.fn_blocks",
+                              value=0, expected=f">= 1 (the {self.fbcache.metric} metric reads "
+                              "block 0) or unset")
         self._check_bn_ids()
-        noise_adapt.check(self.noise_adapt)
+        try:
+            noise_adapt.check(self.noise_adapt)
+        except ConfigError as exc:
+            raise ConfigError(str(exc), field="CMConfig.noise_adapt", value=self.noise_adapt) from None
         check_float("CMConfig", "scene_guard", self.scene_guard)
         check_float("CMConfig", "ctrl_guard", self.ctrl_guard)
         check_int("CMConfig", "forecast", self.forecast)
@@ -128,11 +135,13 @@ class CMConfig:
         bn = self.tail_blocks
         if ids and bn == 0:
             raise ConfigError(f"CMConfig.bn_ids {ids} selects tail blocks but there are none; "
-                              f"set bn_blocks >= {max(ids) + 1}")
+                              f"set bn_blocks >= {max(ids) + 1}", field="CMConfig.bn_ids",
+                              value=ids, expected=f"no tail-block ids, or bn_blocks >= {max(ids) + 1}")
         bad = [i for i in ids if i >= bn]
         if bad or len(set(ids)) != len(ids):
             raise ConfigError(f"CMConfig.bn_ids must be distinct indices in [0, {bn}) of the tail "
-                              f"window (bn_blocks={bn}), got {ids}")
+                              f"window (bn_blocks={bn}), got {ids}", field="CMConfig.bn_ids",
+                              value=ids, expected=f"distinct indices in [0, {bn}) (bn_blocks {bn})")
         object.__setattr__(self, "bn_ids", tuple(sorted(ids)))
 
     @cached_property

@@ -77,6 +77,14 @@ class Signals:
     reduced_over: int | None = None
 
 
+class Note(StrEnum):
+    """Something worth counting about a call's signal that changes no decision by itself."""
+
+    PROFILE_BELOW_RANGE = "profile_below_range"  # a poly: profile evaluated below its fitted rel range
+    PROFILE_ABOVE_RANGE = "profile_above_range"  # ... above it
+    RESCALE_CLAMPED = "rescale_clamped"  # the rescaled change came out negative and was set to 0
+
+
 class Vote(NamedTuple):
     """One technique's opinion on one call."""
 
@@ -85,6 +93,8 @@ class Vote(NamedTuple):
     rel: float | None = None
     rescaled: float | None = None
     accum: float | None = None
+    notes: tuple[Note, ...] = ()
+    threshold: float | None = None  # the one the accumulator was held against, all factors in
 
 
 @dataclass(frozen=True)
@@ -129,11 +139,13 @@ def is_finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def threshold_vote(threshold: float, accum: float, rel: float, rescaled: float) -> Vote:
+def threshold_vote(threshold: float, accum: float, rel: float, rescaled: float,
+                   notes: tuple[Note, ...] = ()) -> Vote:
     """Skip while the accumulated change stays under the threshold; a threshold <= 0 never skips
-    (rescale polynomials can go negative, so `accum < 0` alone would skip)."""
+    (an accumulator of 0, a signal that did not move, would otherwise skip)."""
     skip = threshold > 0 and accum < threshold
-    return Vote(skip, Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD, rel, rescaled, accum)
+    return Vote(skip, Reason.BELOW_THRESHOLD if skip else Reason.ABOVE_THRESHOLD, rel, rescaled,
+                accum, notes, threshold)
 
 
 def relative_change(current: float, previous: float, eps: float) -> float:

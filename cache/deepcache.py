@@ -28,7 +28,9 @@ class DeepCacheConfig:
         check_int("DeepCacheConfig", "end", self.end)
         check_int("DeepCacheConfig", "interval", self.interval, minimum=1)
         if self.end < self.start:
-            raise ConfigError(f"DeepCacheConfig.end ({self.end}) must be >= start ({self.start})")
+            raise ConfigError(f"DeepCacheConfig.end ({self.end}) must be >= start ({self.start})",
+                              field="DeepCacheConfig.end", value=self.end,
+                              expected=f"a step >= the start step {self.start}")
 
     def reuses(self, step: int) -> bool:
         return self.start <= step < self.end and (step - self.start) % self.interval != 0

@@ -49,7 +49,7 @@ class FBCacheConfig:
         if self.saliency > 0 and self.metric not in TENSOR_METRICS:
             raise ConfigError(f"FBCacheConfig.saliency weights tokens of a tensor metric "
                               f"({', '.join(TENSOR_METRICS)}); metric {self.metric!r} is a scalar "
-                              f"signature")
+                              f"signature", field="FBCacheConfig.saliency", value=self.saliency)
 
     @property
     def needs_block0(self) -> bool:

@@ -85,6 +85,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--teacache_signal", choices=SIGNALS,
                    help="what the signature summarises (default: the profile's, else modulated_input)")
     g.add_argument("--teacache_ema", type=float, help=d(TeaCacheConfig, "ema") + "; smooths rel")
+    g.add_argument("--teacache_relative", type=_bool,
+                   help="true: --teacache_thresh counts multiples of the mean change the signal "
+                        "showed so far (its own scale; the presets' unit), false: absolute units "
+                        + d(TeaCacheConfig, "relative"))
 
     g = parser.add_argument_group("caching: FBCache")
     g.add_argument("--fb_thresh", type=float, help=d(FBCacheConfig, "threshold"))
@@ -140,6 +144,56 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    "(prospective decisions, for calibration)")
 
 
+# config field -> (flag, argparse dest) of the flag that sets it: a refused value is reported
+# under the flag the user typed, not the dataclass field.
+FIELD_FLAGS = {
+    "DeepCacheConfig.start": ("--cache_start_step", "cache_start_step"),
+    "DeepCacheConfig.end": ("--cache_end_step", "cache_end_step"),
+    "DeepCacheConfig.interval": ("--cache_step_interval", "cache_step_interval"),
+    "TeaCacheConfig.threshold": ("--teacache_thresh", "teacache_thresh"),
+    "TeaCacheConfig.policy": ("--teacache_policy", "teacache_policy"),
+    "TeaCacheConfig.signal": ("--teacache_signal", "teacache_signal"),
+    "TeaCacheConfig.ema": ("--teacache_ema", "teacache_ema"),
+    "TeaCacheConfig.relative": ("--teacache_relative", "teacache_relative"),
+    "FBCacheConfig.threshold": ("--fb_thresh", "fb_thresh"),
+    "FBCacheConfig.metric": ("--fb_metric", "fb_metric"),
+    "FBCacheConfig.downsample": ("--fb_downsample", "fb_downsample"),
+    "FBCacheConfig.ema": ("--fb_ema", "fb_ema"),
+    "FBCacheConfig.saliency": ("--fb_saliency", "fb_saliency"),
+    "CMConfig.warmup": ("--cache_warmup", "cache_warmup"),
+    "CMConfig.last_steps": ("--cache_last_steps", "cache_last_steps"),
+    "CMConfig.evaluation_order": ("--evaluation_order", "evaluation_order"),
+    "CMConfig.fn_blocks": ("--fn_blocks", "fn_blocks"),
+    "CMConfig.bn_blocks": ("--bn_blocks", "bn_blocks"),
+    "CMConfig.bn_ids": ("--bn_ids", "bn_ids"),
+    "CMConfig.ctrl_guard": ("--ctrl_guard", "ctrl_guard"),
+    "CMConfig.offload_watermark": ("--offload_watermark", "offload_watermark"),
+    "CMConfig.noise_adapt": ("--noise_adapt", "noise_adapt"),
+    "CMConfig.forecast": ("--forecast", "forecast"),
+    "CMConfig.scene_guard": ("--scene_guard", "scene_guard"),
+}
+TECHNIQUE_CLASSES = {"deepcache": "DeepCacheConfig", "teacache": "TeaCacheConfig",
+                     "fbcache": "FBCacheConfig"}
+
+
+def _flag_value(args, dest):
+    value = getattr(args, dest, None)
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _as_flag_error(exc: ConfigError, args) -> ConfigError:
+    """The same refusal, named after the flag that set the value (when a flag did)."""
+    flag, dest = FIELD_FLAGS.get(exc.field, (None, None))
+    value = _flag_value(args, dest) if dest else None
+    if flag is None or value is None:
+        return exc
+    shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+    if exc.expected is not None:
+        return ConfigError(f"{flag} {shown}: expected {exc.expected} ({exc.field})",
+                           field=exc.field, value=value, expected=exc.expected)
+    return ConfigError(f"{flag} {shown}: {exc}", field=exc.field, value=value)
+
+
 def _single(args, name: str, flag: str):
     """Aliases append to one list; they must agree."""
     values = getattr(args, name)
@@ -156,6 +210,13 @@ def _given(**kwargs) -> dict:
 
 def config_from_args(args: argparse.Namespace) -> CMConfig:
     """Build the CMConfig the flags describe; ConfigError names the offending flag."""
+    try:
+        return _config_from_args(args)
+    except ConfigError as exc:
+        raise _as_flag_error(exc, args) from None
+
+
+def _config_from_args(args: argparse.Namespace) -> CMConfig:
     preset = load_preset(args.preset) if getattr(args, "preset", None) else {}
     cache_type = args.cache_type or ("deepcache" if args.enable_cache and not preset else None)
     if args.cache_type is not None and not args.enable_cache:
@@ -166,19 +227,9 @@ def config_from_args(args: argparse.Namespace) -> CMConfig:
         "fbcache": args.fbcache or cache_type == "fbcache" or "fbcache" in preset,
     }
     specific = {  # technique -> {config field: (flag, value)}
-        "deepcache": {"start": ("--cache_start_step", args.cache_start_step),
-                      "end": ("--cache_end_step", args.cache_end_step),
-                      "interval": ("--cache_step_interval", args.cache_step_interval)},
-        "teacache": {"threshold": ("--teacache_thresh", args.teacache_thresh),
-                     "policy": ("--teacache_policy", args.teacache_policy),
-                     "signal": ("--teacache_signal", args.teacache_signal),
-                     "ema": ("--teacache_ema", args.teacache_ema)},
-        "fbcache": {"threshold": ("--fb_thresh", args.fb_thresh),
-                    "metric": ("--fb_metric", args.fb_metric),
-                    "downsample": ("--fb_downsample", args.fb_downsample),
-                    "ema": ("--fb_ema", args.fb_ema),
-                    "saliency": ("--fb_saliency", args.fb_saliency)},
-    }
+        name: {field.split(".")[1]: (flag, getattr(args, dest))
+               for field, (flag, dest) in FIELD_FLAGS.items() if field.startswith(cls + ".")}
+        for name, cls in TECHNIQUE_CLASSES.items()}
     classes = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig}
     techniques = {}
     for name, fields in specific.items():

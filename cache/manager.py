@@ -243,8 +243,10 @@ class CacheManager:
         state.limits = limits.record(state.limits, skipped=action == SKIP)
         if action == COMPUTE:
             self._refresh(state)
+        notes = tuple(n for v in votes.values() if v is not None for n in v.notes)
         state.row = self.telemetry.record(decision, phase_step=call.phase_step,
-                                          accum=vote.accum if vote else None, signals=signals)
+                                          accum=vote.accum if vote else None, signals=signals,
+                                          notes=notes, threshold=vote.threshold if vote else None)
         state.last = decision
         if is_follower and lead is not None:
             self.telemetry.record_pair(lead.action, decision)

@@ -13,11 +13,18 @@ from __future__ import annotations
 
 from .validate import ConfigError
 
-# progress -> factor knots, progress ascending from 0 to 1
+# progress -> factor knots, progress ascending from 0 to 1 (two knots at one progress: a step)
 TABLES: dict[str, tuple[tuple[float, float], ...]] = {
     "linear": ((0.0, 1.5), (1.0, 0.5)),
     # flat through the middle, where cache methods do most of their skipping, strict at the end
     "plateau": ((0.0, 1.25), (0.2, 1.0), (0.8, 1.0), (1.0, 0.5)),
+    # the threshold as is, then 0 (every call computes) over the last N percent of the schedule:
+    # a reuse costs the most there (on bench/workload.py's models, one reuse at step 46 of 50
+    # loses about 40 dB more PSNR than one at step 1), so the presets differ first in how much
+    # of it they protect
+    "last40": ((0.0, 1.0), (0.6, 1.0), (0.6, 0.0), (1.0, 0.0)),
+    "last20": ((0.0, 1.0), (0.8, 1.0), (0.8, 0.0), (1.0, 0.0)),
+    "last5": ((0.0, 1.0), (0.95, 1.0), (0.95, 0.0), (1.0, 0.0)),
 }
 
 

@@ -1,7 +1,10 @@
 """TeaCache rescale polynomials, by model, as the peers ship them (../shared/reference/peers.md).
 
 Each profile maps the raw relative L1 change of a signature to an estimate of the relative change
-of the model output. A profile is only meaningful for the signal it was fitted on: the official
+of the model output. A polynomial only means something over the rel values it was fitted on: a
+calibrated profile carries that range (`rel_range`), the gate counts evaluations outside it, and
+the gate clamps the rescaled change at zero (teacache.judge). A profile is only meaningful for
+the signal it was fitted on: the official
 Wan2.1 ones were fitted on the time embedding `e` or the time projection `e0`, the HunyuanVideo
 ones on the modulated input of double_blocks[0]. `TeaCacheConfig` refuses a mismatched pair.
 Coefficients are copied exactly, highest power first (numpy.poly1d order).
@@ -29,12 +32,25 @@ class PolyProfile:
     warmup: int  # executed steps its source always computes first
     source: str
     experts: dict = field(default_factory=dict)  # expert -> coefficients (Wan2.2 A14B fits)
+    # (min, max) of the rel values the fit saw, overall and per expert; None: not known (the
+    # peers' published profiles do not say)
+    rel_range: tuple[float, float] | None = None
+    expert_ranges: dict = field(default_factory=dict)
 
     def __call__(self, rel: float, expert: str | None = None) -> float:
         value = 0.0
         for c in self.experts.get(expert, self.coefficients):  # Horner
             value = value * rel + c
         return value
+
+    def outside(self, rel: float, expert: str | None = None) -> str | None:
+        """'below' or 'above' the fitted rel range of this expert's polynomial; None inside it
+        or when the range is not known."""
+        fitted = self.expert_ranges.get(expert, self.rel_range) if expert in self.experts \
+            else self.rel_range
+        if fitted is None:
+            return None
+        return "below" if rel < fitted[0] else "above" if rel > fitted[1] else None
 
 
 class ProfileError(ValueError):
@@ -49,8 +65,12 @@ def load_profile_file(path: str) -> PolyProfile:
             d = json.load(f)
         coefficients = tuple(float(c) for c in d["coefficients"])
         experts = {k: tuple(float(c) for c in v) for k, v in d.get("experts", {}).items()}
+        # profiles written before the fitted range was recorded load without one
+        rel_range = _range(d["rel_range"]) if d.get("rel_range") is not None else None
+        expert_ranges = {k: _range(v) for k, v in d.get("experts_rel_range", {}).items()}
         profile = PolyProfile(coefficients, str(d["signal"]), float(d.get("threshold", 0.15)),
-                              int(d.get("warmup", 1)), str(d.get("source", path)), experts)
+                              int(d.get("warmup", 1)), str(d.get("source", path)), experts,
+                              rel_range, expert_ranges)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ProfileError(f"TeaCache profile {path}: {exc}; expected the JSON that "
                            "`python -m sampling.calibrate` writes") from None
@@ -58,6 +78,13 @@ def load_profile_file(path: str) -> PolyProfile:
         raise ProfileError(f"TeaCache profile {path}: signal must be one of {SIGNALS} and "
                            "coefficients non-empty")
     return profile
+
+
+def _range(values) -> tuple[float, float]:
+    low, high = (float(v) for v in values)
+    if not low <= high:
+        raise ValueError(f"a fitted range [low, high] needs low <= high, got {list(values)}")
+    return low, high
 
 
 def resolve_profile(name: str) -> PolyProfile | None:

@@ -10,11 +10,11 @@ import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from .decision import SKIP, Decision, FailSafe
+from .decision import SKIP, Decision, FailSafe, Note
 
 TRACE_COLUMNS = ("step", "phase_step", "expert", "branch", "mode", "action", "reason", "failsafe",
                  "rel", "rescaled", "accum", "signal_teacache", "signal_fbcache",
-                 "signal_latent_delta", "signal_control_delta",
+                 "signal_latent_delta", "signal_control_delta", "notes", "threshold",
                  "clip")  # clip: which trajectory of a clip-by-clip run (S2V); empty otherwise
 
 
@@ -29,6 +29,7 @@ class BranchStats:
     max_rescaled: float = -math.inf
     compute_reasons: Counter = field(default_factory=Counter)
     failsafes: Counter = field(default_factory=Counter)
+    notes: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict:
         n = self.count_rel
@@ -42,6 +43,7 @@ class BranchStats:
             "max_rescaled": self.max_rescaled if n else None,
             "compute_reasons": dict(self.compute_reasons),
             "failsafes": dict(self.failsafes),
+            "notes": dict(self.notes),
         }
 
 
@@ -53,6 +55,7 @@ class Telemetry:
         self.branches: dict[str, BranchStats] = defaultdict(BranchStats)
         self.experts: dict[str, dict[str, BranchStats]] = defaultdict(lambda: defaultdict(BranchStats))
         self.failsafes: Counter = Counter()
+        self.notes: Counter = Counter()
         self.pair = {"pair_total": 0, "pair_skipped": 0, "pair_forced_compute": 0,
                      "pair_divergence_failsafes": 0}
         self.expert_switches = 0
@@ -64,8 +67,11 @@ class Telemetry:
         if decision.expert is not None:
             yield self.experts[decision.expert][decision.branch]
 
-    def record(self, decision: Decision, *, phase_step: int, accum, signals) -> dict:
+    def record(self, decision: Decision, *, phase_step: int, accum, signals,
+               notes: tuple[Note, ...] = (), threshold: float | None = None) -> dict:
+        self.notes.update(str(n) for n in notes)
         for stats in self._stats(decision):
+            stats.notes.update(str(n) for n in notes)
             stats.total += 1
             if decision.skip:
                 stats.skipped += 1
@@ -90,6 +96,8 @@ class Telemetry:
             "signal_fbcache": getattr(signals, "fbcache", None),
             "signal_latent_delta": getattr(signals, "latent_delta", None),
             "signal_control_delta": getattr(signals, "control_delta", None),
+            "notes": "+".join(notes) or None,
+            "threshold": threshold,
         }
         self.trace.append(row)
         return row
@@ -129,6 +137,7 @@ class Telemetry:
             "branches": {name: stats.as_dict() for name, stats in self.branches.items()},
             "failsafe_count": sum(self.failsafes.values()),
             "failsafes": {str(r): self.failsafes.get(str(r), 0) for r in FailSafe},
+            "notes": {str(n): self.notes.get(str(n), 0) for n in Note},
             "pair": dict(self.pair),
             "expert_switches": self.expert_switches,
             "offload_switches": self.offload_switches,

@@ -6,15 +6,27 @@ import math
 
 
 class ConfigError(ValueError):
-    """A cache configuration value is invalid; raised before sampling starts."""
+    """A cache configuration value is invalid; raised before sampling starts.
+
+    `field` ("TeaCacheConfig.threshold"), `value` and `expected` are set where one field is at
+    fault, so the command line can name the flag that set it instead of the dataclass field."""
+
+    def __init__(self, message: str, *, field: str | None = None, value=None,
+                 expected: str | None = None):
+        super().__init__(message)
+        self.field, self.value, self.expected = field, value, expected
+
+
+def _refuse(owner: str, name: str, value, expected: str):
+    raise ConfigError(f"{owner}.{name} must be {expected}, got {value!r}", field=f"{owner}.{name}",
+                      value=value, expected=expected)
 
 
 def check_int(owner: str, name: str, value, *, minimum: int = 0, allow_none: bool = False):
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}"
-                          f"{' or None' if allow_none else ''}, got {value!r}")
+        _refuse(owner, name, value, f"an integer >= {minimum}{' or None' if allow_none else ''}")
 
 
 def check_float(owner: str, name: str, value, *, minimum: float = 0.0, below: float | None = None):
@@ -22,10 +34,9 @@ def check_float(owner: str, name: str, value, *, minimum: float = 0.0, below: fl
     ok = ok and value >= minimum and (below is None or value < below)
     if not ok:
         upper = f" and < {below}" if below is not None else ""
-        raise ConfigError(f"{owner}.{name} must be a finite number >= {minimum}{upper}, got {value!r}")
+        _refuse(owner, name, value, f"a finite number >= {minimum}{upper}")
 
 
 def check_choice(owner: str, name: str, value, choices):
     if value not in choices:
-        raise ConfigError(f"{owner}.{name} must be one of {', '.join(map(repr, choices))}, "
-                          f"got {value!r}")
+        _refuse(owner, name, value, f"one of {', '.join(map(repr, choices))}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import numpy as np
@@ -22,9 +21,15 @@ import torch
 
 from cache import CMConfig, TeaCacheConfig
 from cache.teacache_profiles import SIGNALS
+from modules import ops
+from modules.checkpoint import CheckpointError
+from modules.layers import ModelConfigError
 
+from .cli import UsageError, as_int, command
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from .run import make_sample, sample_once
+from .schedulers import SchedulerError
+from .stage_io import StageFileError, atomic_write, check_writable_file
 from .stages import SignalPlan
 
 
@@ -88,31 +93,36 @@ def sweep(backend, pipe, tensors_by_seed, latent_shape, profile_path, *, signal,
 
 
 def fit(pairs, degree: int) -> dict:
-    """Coefficients (highest power first) over all pairs and per expert, with R^2."""
+    """Coefficients (highest power first) over all pairs and per expert, with R^2 and the range
+    of rel values each fit saw (the gate counts evaluations outside it)."""
     def one(points):
         x = np.array([p[1] for p in points])
         y = np.array([p[2] for p in points])
         coefficients = np.polyfit(x, y, degree)
         residual = y - np.polyval(coefficients, x)
         r2 = 1.0 - residual.var() / y.var() if y.var() > 0 else 1.0
-        return [float(c) for c in coefficients], float(r2), len(points)
+        return [float(c) for c in coefficients], float(r2), len(points), [float(x.min()),
+                                                                           float(x.max())]
 
-    coefficients, r2, n = one(pairs)
-    out = {"coefficients": coefficients, "r2": r2, "points": n, "experts": {}, "experts_r2": {}}
+    coefficients, r2, n, rel_range = one(pairs)
+    out = {"coefficients": coefficients, "r2": r2, "points": n, "rel_range": rel_range,
+           "experts": {}, "experts_r2": {}, "experts_rel_range": {}}
     experts = sorted({p[0] for p in pairs if p[0] is not None})
     for expert in experts:
         points = [p for p in pairs if p[0] == expert]
         if len(points) > degree + 1:
-            out["experts"][expert], out["experts_r2"][expert], _ = one(points)
+            (out["experts"][expert], out["experts_r2"][expert], _,
+             out["experts_rel_range"][expert]) = one(points)
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m sampling.calibrate",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES))
     ap.add_argument("--model_path")
     ap.add_argument("--samples", type=int, default=3, help="runs, each on its own seed")
-    ap.add_argument("--num_inference_steps", type=int)
+    ap.add_argument("--num_inference_steps", type=int, help="default: the model's")
     ap.add_argument("--teacache_signal", choices=SIGNALS, default="modulated_input")
     ap.add_argument("--degree", type=int, default=4)
     ap.add_argument("--backend", choices=("jax", "torch"), default="torch")
@@ -120,11 +130,33 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", type=int, default=0, metavar="N",
                     help="also measure N thresholds (final-latent error and computed fraction "
                          "against uncached) for budgeted mode (--budget_rel_err/--budget_speedup)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def resolve(args) -> dict:
+    """The flags, checked before any model is loaded or program compiled."""
+    pipe = get_pipeline(args.model)
+    samples = as_int("--samples", args.samples, minimum=1)
+    steps = as_int("--num_inference_steps", args.num_inference_steps
+                   if args.num_inference_steps is not None else pipe.steps, minimum=2,
+                   expected="an integer >= 2 (a change needs two steps)")
+    degree = as_int("--degree", args.degree, minimum=0)
+    if samples * (steps - 1) <= degree:
+        raise UsageError(f"--degree {degree}: a fit of degree {degree} needs more than {degree} "
+                         f"points, and --samples {samples} x {steps - 1} changes give "
+                         f"{samples * (steps - 1)}; expected a lower degree or more samples/steps")
+    as_int("--sweep", args.sweep, minimum=0)
+    if args.model_path == "":
+        raise UsageError("--model_path '': expected a path")
+    check_writable_file("--out", args.out)
+    return dict(pipe=pipe, samples=samples, steps=steps, degree=degree)
+
+
+def run(args) -> dict:
+    r = resolve(args)
     from .stage2 import load_models
 
-    pipe = get_pipeline(args.model)
-    steps = args.num_inference_steps or pipe.steps
+    pipe, steps = r["pipe"], r["steps"]
     models = load_models(pipe, args.model_path, torch.float32)
     plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig(signal=args.teacache_signal)))
     if args.backend == "torch":
@@ -135,13 +167,13 @@ def main(argv=None) -> int:
         backend = JaxBackend(models, plan)
     shape = pipe.latent_shape(*pipe.size)
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
-               for seed in range(args.samples)}
+               for seed in range(r["samples"])}
     pairs = collect(backend, pipe, tensors, shape, signal=args.teacache_signal, steps=steps,
                     solver=pipe.solver, shift=pipe.shift)
-    result = fit(pairs, args.degree)
+    result = fit(pairs, r["degree"])
     profile = {
         "signal": args.teacache_signal, "threshold": 0.15, "warmup": 1,
-        "source": f"sampling.calibrate: {args.model}, {args.samples} samples x {steps} steps "
+        "source": f"sampling.calibrate: {args.model}, {r['samples']} samples x {steps} steps "
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
         **result,
     }
@@ -153,19 +185,31 @@ def main(argv=None) -> int:
                                         solver=pipe.solver, shift=pipe.shift, thresholds=thresholds)
         profile["budget_steps"] = steps
         _write(args.out, profile)
-    print(f"{len(pairs)} calls; fit R^2 {result['r2']:.3f}"
-          + "".join(f", {e} {r:.3f}" for e, r in result["experts_r2"].items())
-          + f"; wrote {args.out}")
-    for threshold, error, fraction in profile.get("budget_curve", []):
-        print(f"  threshold {threshold:.4f}: rel L2 {error:.2e}, computed {fraction:.2f}")
-    return 0
+    return {"calls": len(pairs), "result": result, "out": args.out,
+            "budget_curve": profile.get("budget_curve", [])}
+
+
+def format_summary(report: dict) -> str:
+    result = report["result"]
+    lines = [f"{report['calls']} calls; fit R^2 {result['r2']:.3f}"
+             + "".join(f", {e} {r:.3f}" for e, r in result["experts_r2"].items())
+             + f"; wrote {report['out']}"]
+    for threshold, error, fraction in report["budget_curve"]:
+        lines.append(f"  threshold {threshold:.4f}: rel L2 {error:.2e}, computed {fraction:.2f}")
+    return "\n".join(lines)
 
 
 def _write(path, profile):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(profile, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        atomic_write(path, lambda f: json.dump(profile, f, indent=1))
+    except OSError as exc:
+        raise StageFileError(f"--out {path} could not be written: {exc.strerror or exc}") from None
+
+
+ERRORS = (UsageError, StageFileError, CheckpointError, ModelConfigError, SchedulerError,
+          ops.OpError)
+
+main = command(build_parser, run, format_summary, ERRORS)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ class ClipGates:
         out["failsafes"] = {k: sum(p["failsafes"][k] for p in parts) for k in parts[0]["failsafes"]}
         out["failsafe_count"] = sum(p["failsafe_count"] for p in parts)
         out["pair"] = {k: sum(p["pair"][k] for p in parts) for k in parts[0]["pair"]}
+        out["notes"] = {k: sum(p["notes"][k] for p in parts) for k in parts[0].get("notes", {})}
         out["clips"] = [{b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
                          for b, s in p["branches"].items()} for p in parts]
         return out

@@ -21,6 +21,15 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
 
 
+class SizeError(ValueError):
+    """A clip size the VAE and patch strides cannot take; `name` is the setting at fault
+    (height, width or video_length), `expected` what would fit."""
+
+    def __init__(self, name: str, value, expected: str):
+        super().__init__(f"{name} {value}: expected {expected}")
+        self.name, self.value, self.expected = name, value, expected
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Expected shape (None = any size) and dtypes of one stage-1 tensor."""
@@ -89,13 +98,13 @@ class Pipeline:
         if self.task == "s2v":
             return self._s2v_latent_shape(height, width, frames)
         if frames < 1 or (frames - 1) % st:
-            raise ValueError(f"video_length {frames}: expected 4k + 1 frames (the VAE is causal "
-                             f"with temporal stride {st}), e.g. {((frames - 1) // st) * st + 1}")
+            raise SizeError("video_length", frames, f"{st}k + 1 frames, k >= 0 (the VAE is causal "
+                            f"with temporal stride {st}), e.g. {max(frames - 1, 0) // st * st + 1}")
         for name, value in (("height", height), ("width", width)):
             unit = ss * patch[1]
             if value < unit or value % unit:
-                raise ValueError(f"{name} {value}: expected a positive multiple of {unit} "
-                                 f"(VAE stride {ss} x patch {patch[1]})")
+                raise SizeError(name, value, f"a positive multiple of {unit} (VAE stride {ss} x "
+                                f"patch {patch[1]})")
         return 1, self.latent_channels, (frames - 1) // st + 1, height // ss, width // ss
 
     def _s2v_latent_shape(self, height, width, frames):

@@ -12,6 +12,37 @@ import os
 import tempfile
 from collections import defaultdict
 
+
+class SinkUnavailable(RuntimeError):
+    """A sink was asked for whose optional package does not import; says how to install it."""
+
+
+def _missing(flag: str, package: str, exc: BaseException) -> SinkUnavailable:
+    return SinkUnavailable(f"{flag} needs the {package} package, which does not import here "
+                           f"({exc}); install it: pip install {package} (or pip install -r "
+                           "requirements-dev.txt), or leave the flag out")
+
+
+def require_tensorboard(flag: str = "--tensorboard_dir"):
+    """torch's SummaryWriter (it needs the tensorboard package), or SinkUnavailable."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise _missing(flag, "tensorboard", exc) from None
+    return SummaryWriter
+
+
+def require_pyplot(flag: str = "--plot_png"):
+    """matplotlib.pyplot on the file-only Agg backend, or SinkUnavailable."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise _missing(flag, "matplotlib", exc) from None
+    return plt
+
+
 # Edges of the relative-change histogram (log-spaced; thresholds of every peer fall inside).
 REL_EDGES = (0.0, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, math.inf)
 THIRDS = ("first", "middle", "last")
@@ -62,11 +93,7 @@ def format_histograms(hist: dict) -> list[str]:
 def write_tensorboard(logdir: str, trace, num_steps: int, tag: str = "cache") -> str:
     """Per-step scalars (rel, rescaled, accumulator, signals, computed 0/1) per branch, and the
     rel histograms per branch and third. Returns the event file's folder."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:  # torch's writer needs the tensorboard package
-        raise RuntimeError("--tensorboard_dir needs the tensorboard package "
-                           "(pip install tensorboard)") from exc
+    SummaryWriter = require_tensorboard()
     import numpy as np
 
     writer = SummaryWriter(log_dir=logdir)
@@ -94,12 +121,7 @@ def plot_traces(traces: dict, path: str, thresholds: dict | None = None) -> str:
     """A PNG with one panel per trace (title -> rows): the leader branch's rel and accumulator
     per step, its threshold if given, and a tick per reused step, so a person sees where the
     gate skipped and why. Written atomically."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise RuntimeError("the PNG plot needs matplotlib (pip install matplotlib)") from exc
+    plt = require_pyplot()
     titles = list(traces)
     if not titles:
         raise ValueError("plot_traces needs at least one trace")
@@ -119,7 +141,10 @@ def plot_traces(traces: dict, path: str, thresholds: dict | None = None) -> str:
             if any(r.get(key) is not None for r in rows):
                 ax.plot(steps, [r.get(key) if r.get(key) is not None else math.nan for r in rows],
                         style, label=key.removeprefix("signal_"), lw=1.0)
-        if thresholds and thresholds.get(title) is not None:
+        if any(r.get("threshold") is not None for r in rows):  # per call (relative, noise_adapt)
+            ax.plot(steps, [r.get("threshold") if r.get("threshold") is not None else math.nan
+                            for r in rows], color="grey", lw=0.8, ls="--", label="threshold")
+        elif thresholds and thresholds.get(title) is not None:
             ax.axhline(thresholds[title], color="grey", lw=0.8, ls="--", label="threshold")
         reused = [r["step"] for r in rows if r["action"] == "skip"]
         ax.scatter(reused, [0.0] * len(reused), marker="|", color="k", s=60, label="reused")

@@ -26,22 +26,37 @@ from modules.layers import ModelConfigError
 from modules.registry import build_model
 
 from .budget import BudgetError, load_curve, threshold_for
-from .cli import command
+from .cli import UsageError, as_int, as_number, command
 from .clips import sample_clips
 from .fidelity import fidelity
-from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
+from .pipelines import DEFAULT_PIPELINE, PIPELINES, SizeError, get_pipeline
 from .run import make_sample, noise_for, sample_once
 from .schedulers import SOLVERS, SchedulerError
-from .sinks import format_histograms, histograms, plot_traces, write_tensorboard
-from .stage_io import EMBEDDINGS, StageFileError, read_config, read_stage1, write_stage2
+from .sinks import (
+    SinkUnavailable,
+    format_histograms,
+    histograms,
+    plot_traces,
+    require_pyplot,
+    require_tensorboard,
+    write_tensorboard,
+)
+from .stage_io import (
+    CONFIG,
+    EMBEDDINGS,
+    LATENTS,
+    StageFileError,
+    atomic_write,
+    check_writable,
+    check_writable_file,
+    read_config,
+    read_stage1,
+    write_stage2,
+)
 from .stages import SignalPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEED = 42
-
-
-class UsageError(ValueError):
-    """A flag or input the run cannot use; reported before sampling."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,21 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- resolution of flags and inputs (no device work) -----------------------------------------
 
-def _guidance(text, pipe):
+def _guidance(text, pipe, label: str = "--guidance_scale"):
+    """None (the pipeline's), one scale, or (low, high) for the two experts of Wan2.2 I2V-A14B;
+    each a finite number >= 0."""
     if text is None:
         return None
     if isinstance(text, list | tuple):  # a (low, high) pair read back from a config file
         text = ",".join(str(v) for v in text)
+    want = "a number >= 0" + (" or 'low,high'" if pipe.moe else "")
     try:
         values = tuple(float(v) for v in str(text).split(","))
     except ValueError:
-        raise UsageError(f"--guidance_scale {text!r}: expected a number or 'low,high'") from None
-    if len(values) == 2 and pipe.moe:
-        return values
-    if len(values) != 1:
-        raise UsageError(f"--guidance_scale {text!r}: expected one number"
-                         + (" or 'low,high'" if pipe.moe else ""))
-    return values[0]
+        raise UsageError(f"{label} {text!r}: expected {want}") from None
+    if len(values) not in ((1, 2) if pipe.moe else (1,)):
+        raise UsageError(f"{label} {text!r}: expected {want}")
+    for v in values:
+        as_number(label, v, minimum=0.0, expected=want)
+    return values if len(values) == 2 else values[0]
 
 
 def _pipeline_name(args, stage1: dict) -> str:
@@ -151,21 +168,85 @@ def _pipeline_name(args, stage1: dict) -> str:
     return DEFAULT_PIPELINE
 
 
+def _pick(flag: str, value, stage1: dict, key: str, default, source: str | None):
+    """(value, label) of a setting: the flag's if given, else the stage-1 config's, else the
+    default. Only None means "not given": a 0 is a value, checked like any other."""
+    if value is not None:
+        return value, flag
+    if stage1.get(key) is not None:
+        return stage1[key], f"{source}: {key}"
+    return default, f"{flag} (default)"
+
+
+def _check_flags(args) -> None:
+    """The flags whose valid range does not depend on the model or the inputs."""
+    as_int("--ulysses_size/--sp_size", args.sp_size, minimum=1)
+    as_int("--warmup_steps", args.warmup_steps, minimum=0)
+    if args.budget_rel_err is not None:
+        as_number("--budget_rel_err", args.budget_rel_err, above=0.0)
+    if args.budget_speedup is not None:
+        as_number("--budget_speedup", args.budget_speedup, minimum=1.0,
+                  expected="a finite number >= 1 (computed calls divided by this)")
+    if args.budget_rel_err is not None and args.budget_speedup is not None:
+        raise UsageError("--budget_rel_err and --budget_speedup are alternatives; give one")
+    if args.backend != "torch" and (args.torch_compile or args.offload_model or args.device):
+        raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
+    if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
+        raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
+                         "(the parallel stages run eagerly)")
+    for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir"):
+        if getattr(args, flag) == "":
+            raise UsageError(f"--{flag} '': expected a path")
+
+
+def _check_launch(args) -> None:
+    """A torchrun world must fit the flags: only the torch backend runs as several processes,
+    and then as exactly sp x cfg ranks. Checked on every rank alike (rank 0 says so)."""
+    world = as_int("WORLD_SIZE (set by torchrun)", os.environ.get("WORLD_SIZE", "1"), minimum=1)
+    if args.backend != "torch":
+        if world > 1:
+            raise UsageError(f"launched as {world} processes (torchrun), but --backend "
+                             f"{args.backend} runs as one process per host (its devices split "
+                             "the tokens with --sp_size; several hosts: --multihost); add "
+                             "--backend torch, or run one process")
+        return
+    cfg = 2 if args.cfg_parallel else 1
+    if world != args.sp_size * cfg:
+        raise UsageError(
+            f"{world} process(es) were launched, but --sp_size {args.sp_size}"
+            f"{' x --cfg_parallel 2' if args.cfg_parallel else ''} needs {args.sp_size * cfg}: "
+            f"run `torchrun --nproc_per_node {args.sp_size * cfg} ...` or change "
+            "--sp_size/--cfg_parallel")
+
+
+def _check_blocks(config: CMConfig, pipe, args) -> None:
+    """Probe and tail blocks must fit in the model (a preset's bn_blocks included)."""
+    blocks = pipe.config.num_layers
+    fn, bn = config.probe_blocks, config.tail_blocks
+    if config.enabled and fn + bn > blocks:
+        given = [f"--{f} {getattr(args, f)}" for f in ("fn_blocks", "bn_blocks")
+                 if getattr(args, f) is not None]
+        source = " ".join(given) or (f"--preset {args.preset}" if args.preset else "the defaults")
+        raise UsageError(f"{source}: probe blocks ({fn}) + tail blocks ({bn}) exceed the "
+                         f"{pipe.name} model's {blocks} blocks; expected fn + bn <= {blocks}")
+
+
 def resolve(args) -> dict:
     """Everything the run needs, checked, before any model or device work."""
-    stage1 = {}
+    _check_flags(args)
+    _check_launch(args)
+    stage1, source = {}, None
     if args.input_dir is not None:
         if not os.path.isdir(args.input_dir):
             raise StageFileError(f"--input_dir {args.input_dir} is not a directory")
         stage1 = read_config(args.input_dir)
+        source = os.path.join(args.input_dir, CONFIG)
     name = _pipeline_name(args, stage1)
     if name not in PIPELINES:
         raise UsageError(f"unknown model {name!r}" + ("" if args.model else " (from the input "
                          "config)") + f"; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
     config = config_from_args(args)
-    if args.backend != "torch" and (args.torch_compile or args.offload_model or args.device):
-        raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
     budget = None
     if args.budget_rel_err is not None or args.budget_speedup is not None:
         policy = config.teacache.policy if config.teacache is not None else ""
@@ -183,8 +264,6 @@ def resolve(args) -> dict:
     if args.offload_model and args.cache_offload is None:
         # Seed 000: with the model offloaded, residuals wait on the host and move on use.
         config = dataclasses.replace(config, offload="cpu")
-    if args.sp_size < 1:
-        raise UsageError(f"--sp_size {args.sp_size}: expected >= 1")
     if args.cfg_parallel:
         if args.cfg_mode not in (None, "fused"):
             raise UsageError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot "
@@ -201,15 +280,12 @@ def resolve(args) -> dict:
         # tokens by frame; the JAX backend's global-view programs run it (--backend jax)
         raise UsageError(f"--model {pipe.name} runs sequence/CFG parallel on the JAX backend only; "
                          "drop --backend torch or --sp_size/--cfg_parallel")
-    if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
-        raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
-                         "(the parallel stages run eagerly)")
-    steps = args.num_inference_steps or stage1.get("num_inference_steps") or pipe.steps
-    if steps < 1:
-        raise UsageError(f"--num_inference_steps {steps}: expected >= 1")
-    shift = args.sample_shift if args.sample_shift is not None else pipe.shift
-    if args.warmup_steps < 0:
-        raise UsageError(f"--warmup_steps {args.warmup_steps}: expected >= 0")
+    _check_blocks(config, pipe, args)
+    value, label = _pick("--num_inference_steps", args.num_inference_steps, stage1,
+                         "num_inference_steps", pipe.steps, source)
+    steps = as_int(label, value, minimum=1)
+    shift = as_number("--sample_shift", args.sample_shift if args.sample_shift is not None
+                      else pipe.shift, above=0.0, expected="a finite number > 0 (1.0 = no shift)")
     if args.model_path is None and not pipe.name.endswith(("tiny", "tiny-ti2v", "tiny-i2v",
                                                            "tiny-meanflow", "tiny-s2v")):
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
@@ -218,22 +294,26 @@ def resolve(args) -> dict:
     if args.num_clips is not None and pipe.task != "s2v":
         raise UsageError(f"--num_clips belongs to speech-to-video models; {pipe.name} samples one "
                          "clip")
-    guidance = _guidance(args.guidance_scale if args.guidance_scale is not None
-                         else stage1.get("guidance_scale"), pipe)
-    seed = args.seed if args.seed is not None else int(stage1.get("seed", DEFAULT_SEED))
-    height = args.height or stage1.get("height") or pipe.size[0]
-    width = args.width or stage1.get("width") or pipe.size[1]
-    frames = args.video_length or stage1.get("video_length") or pipe.size[2]
+    value, label = _pick("--guidance_scale", args.guidance_scale, stage1, "guidance_scale", None,
+                         source)
+    guidance = _guidance(value, pipe, label)
+    value, label = _pick("--seed", args.seed, stage1, "seed", DEFAULT_SEED, source)
+    seed = as_int(label, value, minimum=-2 ** 63, maximum=2 ** 64 - 1)
+    size, labels = [], {}
+    for key, default in zip(("height", "width", "video_length"), pipe.size, strict=True):
+        value, labels[key] = _pick(f"--{key}", getattr(args, key), stage1, key, default, source)
+        size.append(as_int(labels[key], value, minimum=1, expected=f"a positive {key}"))
     try:
-        latent_shape = pipe.latent_shape(int(height), int(width), int(frames))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        latent_shape = pipe.latent_shape(*size)
+    except SizeError as exc:
+        raise UsageError(f"{labels[exc.name]} {exc.value}: expected {exc.expected}") from None
     g_values = [pipe.guidance_for(e, guidance) for e, _ in pipe.experts]
     cfg_on = any(g != 1.0 for g in g_values)
     if config.cfg_mode == "fused" and 1.0 in g_values:
         raise UsageError(f"--{'cfg_parallel' if args.cfg_parallel else 'cfg_mode fused'} batches "
                          "cond and uncond in one call; it needs CFG "
                          f"(guidance != 1) for every expert, got guidance {g_values}")
+    output_dir = _check_outputs(args)
     if args.input_dir is not None:
         image = pipe.task == "i2v" or (pipe.task == "ti2v" and _has_image(args.input_dir))
         tensors, stage1 = read_stage1(args.input_dir, pipe.stage1_specs(latent_shape, cfg_on, image))
@@ -246,31 +326,40 @@ def resolve(args) -> dict:
             available = pipe.clip_count(tensors, latent_shape)
         except ValueError as exc:
             raise StageFileError(str(exc)) from None
-        clips = args.num_clips or stage1.get("num_clips") or available
-        if not 1 <= clips <= available:
-            raise UsageError(f"--num_clips {clips}: the audio holds {available} clips of "
-                             f"{latent_shape[2] * pipe.vae_stride[0]} frames")
-    output_dir = args.output_dir or args.input_dir or "stage_outputs"
-    for flag in ("telemetry_json", "telemetry_csv", "plot_png"):
-        _check_writable_file(flag, getattr(args, flag))
-    if args.tensorboard_dir and os.path.exists(args.tensorboard_dir) and \
-            not os.path.isdir(args.tensorboard_dir):
-        raise UsageError(f"--tensorboard_dir {args.tensorboard_dir} exists and is not a directory")
+        value, label = _pick("--num_clips", args.num_clips, stage1, "num_clips", available, source)
+        clips = as_int(label, value, minimum=1, maximum=available,
+                       expected=f"1 to {available} (the audio holds {available} clips of "
+                                f"{latent_shape[2] * pipe.vae_stride[0]} frames)")
     dtype = DTYPES[args.dtype or ("bf16" if args.model_path else "fp32")]
     return dict(pipe=pipe, config=config, steps=steps, seed=seed, budget=budget, shift=shift,
                 guidance=guidance,
                 solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
-                size=(int(height), int(width), int(frames)), tensors=tensors, stage1=stage1,
+                size=tuple(size), tensors=tensors, stage1=stage1,
                 image=image, output_dir=output_dir, dtype=dtype, clips=clips)
 
 
-def _check_writable_file(flag: str, path: str | None) -> None:
-    """Refuse, before sampling, a report path whose folder is missing or not writable."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK) or os.path.isdir(path):
-        raise UsageError(f"--{flag} {path}: expected a file in an existing, writable folder")
+def _check_outputs(args) -> str:
+    """Every path the run will write, checked before any work: the output folder (and that no
+    folder holds a file name it writes), the report files, the optional sinks' packages and the
+    compilation cache. Returns the output folder."""
+    output_dir = next(d for d in (args.output_dir, args.input_dir, "stage_outputs") if d is not None)
+    check_writable(output_dir, "--output_dir", (LATENTS, CONFIG))
+    for flag in ("telemetry_json", "telemetry_csv", "plot_png"):
+        check_writable_file(f"--{flag}", getattr(args, flag))
+    if args.tensorboard_dir is not None:
+        check_writable(args.tensorboard_dir, "--tensorboard_dir")
+        require_tensorboard()
+    if args.plot_png is not None:
+        require_pyplot()
+    if args.backend == "jax":
+        cache_dir = args.compile_cache_dir
+        if cache_dir is None:
+            from tpu.compile import DEFAULT_CACHE_DIR
+            cache_dir = DEFAULT_CACHE_DIR
+        if cache_dir.lower() != "none":
+            check_writable(cache_dir, "--compile_cache_dir",
+                           hint=" (or 'none' to run without the persistent compilation cache)")
+    return output_dir
 
 
 def _has_image(directory):
@@ -479,10 +568,33 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         },
         "budget": r["budget"],
         "clips": summary.get("clips"),  # speech-to-video: computed/reused per clip and branch
+        "warnings": profile_warnings(gate.config, summary, gate.telemetry.trace),
         "summary": summary,
         "histograms": histograms(gate.telemetry.trace, r["steps"]),
         "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
     }
+
+
+def profile_warnings(config: CMConfig, summary: dict, trace) -> list[str]:
+    """One line when a poly: profile was evaluated outside the rel range it was fitted on (its
+    polynomial extrapolates there), or when a rescaled change came out negative (counted as 0)."""
+    notes = summary.get("notes", {})
+    below, above = notes.get("profile_below_range", 0), notes.get("profile_above_range", 0)
+    clamped = notes.get("rescale_clamped", 0)
+    if not (below or above or clamped) or config.teacache is None:
+        return []
+    profile = config.teacache.profile
+    measured = sum(row["rel"] is not None for row in trace)
+    parts = []
+    if below or above:
+        low, high = profile.rel_range or next(iter(profile.expert_ranges.values()))
+        parts.append(f"TeaCache profile {config.teacache.policy} was evaluated outside the rel "
+                     f"range it was fitted on [{low:.3g}, {high:.3g}] on {below + above} of "
+                     f"{measured} measured calls ({below} below, {above} above): its rescaled "
+                     "change there is extrapolated; recalibrate on runs like this one")
+    if clamped:
+        parts.append(f"{clamped} rescaled changes came out negative and counted as 0")
+    return ["; ".join(parts)]
 
 
 def mean(xs):
@@ -509,20 +621,28 @@ def _write(r, latents, report, args):
                 **_cache_metadata(r["config"]))
     out = latents.to(r["dtype"]) if r["dtype"] == torch.bfloat16 else latents
     report["outputs"] = write_stage2(r["output_dir"], out, meta, config)
-    if args.telemetry_json:
-        with open(args.telemetry_json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        os.replace(args.telemetry_json + ".tmp", args.telemetry_json)
-    if args.telemetry_csv:
-        write_trace_csv(args.telemetry_csv, report["trace"])
-    if args.tensorboard_dir:
-        write_tensorboard(args.tensorboard_dir, report["trace"], r["steps"])
-    if args.plot_png:
-        cfg = r["config"]
-        tech = cfg.teacache or cfg.fbcache
-        plot_traces({f"{pipe.name} {'+'.join(cfg.modes) or 'off'}": report["trace"]},
-                    args.plot_png, {f"{pipe.name} {'+'.join(cfg.modes) or 'off'}":
-                                    tech.threshold if tech is not None else None})
+    cfg = r["config"]
+    title = f"{pipe.name} {'+'.join(cfg.modes) or 'off'}"
+    tech = cfg.teacache or cfg.fbcache
+    reports = (
+        ("--telemetry_json", args.telemetry_json, lambda path: atomic_write(
+            path, lambda f: json.dump(report, f, indent=1, default=str))),
+        ("--telemetry_csv", args.telemetry_csv,
+         lambda path: write_trace_csv(path, report["trace"])),
+        ("--tensorboard_dir", args.tensorboard_dir,
+         lambda path: write_tensorboard(path, report["trace"], r["steps"])),
+        ("--plot_png", args.plot_png, lambda path: plot_traces(
+            {title: report["trace"]}, path, {title: tech.threshold if tech is not None else None})),
+    )
+    for flag, path, write in reports:
+        if path is None:
+            continue
+        try:
+            write(path)
+        except OSError as exc:  # a full disk after the stage files: say which file is missing
+            raise StageFileError(f"{flag} {path} could not be written: {exc.strerror or exc}; "
+                                 f"the stage files were written ({', '.join(report['outputs'].values())})"
+                                 ) from None
 
 
 def format_summary(report: dict) -> str:
@@ -555,6 +675,7 @@ def format_summary(report: dict) -> str:
         lines.append(f"  resolved: {shown}, limits {cfg['limits']}")
     if report["failsafes"]:
         lines.append(f"  fail-safes: {report['failsafes']}")
+    lines += [f"  warning: {w}" for w in report.get("warnings", [])]
     lines += format_histograms(report.get("histograms", {}))
     w, lp = c["warmup"], c["loop"]
     if w is None:
@@ -586,7 +707,7 @@ def format_summary(report: dict) -> str:
 
 
 ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
-          SchedulerError, ops.OpError, BudgetError)
+          SchedulerError, ops.OpError, BudgetError, SinkUnavailable)
 
 
 

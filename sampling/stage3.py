@@ -30,16 +30,21 @@ from modules.vae import (
 )
 from vae_parallel.grid import PatchGridError
 
-from .cli import command
-from .pipelines import PIPELINES, get_pipeline
-from .stage_io import LATENTS, VIDEO, StageFileError, check_writable, read_stage2, write_video
+from .cli import UsageError, as_int, as_number, command
+from .pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
+from .stage_io import (
+    CONFIG,
+    LATENTS,
+    VIDEO,
+    StageFileError,
+    check_tensors,
+    check_writable,
+    read_stage2,
+    write_video,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TINY_VAE_SEED = 0
-
-
-class UsageError(ValueError):
-    """A flag or input stage 3 cannot use; reported before decoding."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +102,8 @@ def _grid_shape(text):
         rows, cols = (int(v) for v in text.lower().split("x"))
     except ValueError:
         raise UsageError(f"--grid {text!r}: expected ROWSxCOLS, e.g. 2x2") from None
+    if rows < 1 or cols < 1:
+        raise UsageError(f"--grid {text!r}: expected ROWSxCOLS of positive integers, e.g. 2x2")
     return rows, cols
 
 
@@ -122,17 +129,21 @@ def resolve(args) -> dict:
     if latents.shape[1] != channels:
         raise StageFileError(f"{LATENTS}: latents have {latents.shape[1]} channels; the {name} VAE "
                              f"expects {channels} (shape [1, {channels}, F, H, W])")
+    # as stage 2 refuses such stage-1 tensors: a video of NaN or of integers is no video
+    check_tensors({"latents": latents}, {"latents": TensorSpec((None,) * 5, FLOAT_DTYPES)},
+                  os.path.join(args.input_dir, LATENTS))
     st, ss = pipe.vae_stride
     frames, height, width = ((latents.shape[2] - 1) * st + 1, latents.shape[3] * ss,
                              latents.shape[4] * ss)
+    source = os.path.join(args.input_dir, CONFIG)
     for key, value in (("video_length", frames), ("height", height), ("width", width)):
-        if key in config and int(config[key]) != value:
+        if config.get(key) is not None and as_int(f"{source}: {key}", config[key]) != value:
             raise StageFileError(f"{LATENTS}: latents {list(latents.shape)} decode to {key} "
                                  f"{value}; generation_config.json says {config[key]}")
     if args.tiled and args.patch_parallel:
         raise UsageError("--tiled and --patch_parallel are alternatives (tiles inside patches "
                          "would not match the single-device decode); pick one")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = as_int("WORLD_SIZE (set by torchrun)", os.environ.get("WORLD_SIZE", "1"), minimum=1)
     if world > 1 and not args.patch_parallel:
         raise UsageError(f"launched on {world} ranks without --patch_parallel; add it, or run one "
                          "process")
@@ -144,11 +155,14 @@ def resolve(args) -> dict:
         raise UsageError("--grid needs --patch_parallel under torchrun (WORLD_SIZE > 1)")
     if args.tile_size is not None and not args.tiled:
         raise UsageError("--tile_size needs --tiled")
-    fps = args.fps if args.fps is not None else float(config.get("fps", default_fps(pipe)))
-    if fps <= 0:
-        raise UsageError(f"--fps {fps}: expected > 0")
-    output_dir = args.output_dir or args.input_dir
-    check_writable(output_dir)
+    if args.fps is not None:
+        fps = as_number("--fps", args.fps, above=0.0)
+    elif config.get("fps") is not None:
+        fps = as_number(f"{source}: fps", config["fps"], above=0.0)
+    else:
+        fps = default_fps(pipe)
+    output_dir = args.output_dir if args.output_dir is not None else args.input_dir
+    check_writable(output_dir, "--output_dir", (VIDEO, CONFIG))
     return dict(pipe=pipe, latents=latents, config=config, size=(frames, height, width), fps=fps,
                 output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid)
 

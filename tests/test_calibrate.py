@@ -34,9 +34,10 @@ def test_calibrated_profile_is_loaded_and_drives_the_decisions(tmp_path):
         traj = sample_once(backend, config, sample, solver="unipc", steps=16, shift=5.0)
         traces[policy] = traj.gate.telemetry.trace
     rows = [r for r in traces[f"poly:{path}"] if r["rel"] is not None]
-    for r in rows:  # the gate applied the fitted polynomial of the row's expert
+    for r in rows:  # the gate applied the fitted polynomial of the row's expert, clamped at 0
         want = np.polyval(profile["experts"][r["expert"]], r["rel"])
-        assert r["rescaled"] == pytest.approx(want, rel=1e-9, abs=1e-12)
+        assert r["rescaled"] == pytest.approx(max(want, 0.0), rel=1e-9, abs=1e-12)
+        assert ("rescale_clamped" in (r["notes"] or "")) == (want < 0)
     actions = {p: [r["action"] for r in t] for p, t in traces.items()}
     assert actions["linear"] != actions[f"poly:{path}"]
 
@@ -48,6 +49,10 @@ def test_fit_recovers_a_known_polynomial():
     result = calibrate.fit(pairs, degree=2)
     assert result["coefficients"] == pytest.approx([2.0, 0.5, 0.01], abs=1e-9)
     assert result["r2"] == pytest.approx(1.0) and set(result["experts"]) == {"high", "low"}
+    # the rel values each fit saw: the gate counts evaluations outside them
+    assert result["rel_range"] == [0.0, pytest.approx(0.2)]
+    assert result["experts_rel_range"]["low"] == [0.0, pytest.approx(x[-2])]
+    assert result["experts_rel_range"]["high"] == [pytest.approx(x[1]), pytest.approx(0.2)]
 
 
 def test_a_bad_profile_file_is_a_config_error(tmp_path):

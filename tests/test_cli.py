@@ -156,12 +156,14 @@ def test_torch_backend_from_the_same_command(tmp_path):
 def test_presets_resolve_to_one_config_and_flags_override():
     from cache import TeaCacheConfig
     safe = parse("--preset", "safe")
-    assert safe.teacache == TeaCacheConfig(threshold=0.06) and safe.tail_blocks == 4
+    assert safe.teacache == TeaCacheConfig(threshold=1.5, relative=True) and safe.tail_blocks == 2
+    assert safe.noise_adapt == "table:last40"
     hybrid = parse("--preset", "hybrid", "--teacache_thresh", "0.2", "--max_continuous", "5")
     assert hybrid.teacache.threshold == 0.2 and hybrid.limits.max_continuous == 5
-    assert hybrid.forecast == 2 and hybrid.noise_adapt == "linear"
-    turbo = parse("--preset", "turbo", "--fbcache")
+    assert hybrid.forecast == 2 and hybrid.noise_adapt == "linear" and hybrid.teacache.relative
+    turbo = parse("--preset", "turbo", "--fbcache", "--teacache_relative", "false")
     assert turbo.modes == ("fb", "tc") and turbo.teacache.downsample == 4 and not turbo.cfg_sep_diff
+    assert not turbo.teacache.relative and turbo.teacache.threshold == 5.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--preset", "ludicrous"])
 
@@ -170,4 +172,5 @@ def test_a_preset_run_prints_the_resolved_config(tmp_path):
     out = cli("--preset", "balanced", "--num_inference_steps", "12", "--compile_cache_dir", "none",
               cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "preset balanced" in out.stdout and "'bn_blocks': 2" in out.stdout
+    assert "preset balanced" in out.stdout and "'bn_blocks': 1" in out.stdout
+    assert "'relative': True" in out.stdout

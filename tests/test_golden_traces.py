@@ -254,3 +254,107 @@ def test_bn_ids_ctrl_guard_and_saliency_are_validated(kwargs, message):
         if "fbcache" in kwargs:
             kwargs = {"fbcache": FBCacheConfig(**kwargs["fbcache"])}
         CMConfig(**kwargs)
+
+
+# A calibrated profile p(rel) = 2 rel - 0.01, fitted on rel in [0.01, 0.2]: below 0.005 its value
+# is negative. Signatures: five tiny changes (rel 0.001: p = -0.008), four of 3.5 % (p = 0.06),
+# one of 30 % (above the range: p = 0.59), one more of 3.5 %.
+OUT_OF_RANGE_SIGS = [1.001 ** k for k in range(6)]
+for _factor in (1.035, 1.035, 1.035, 1.035, 1.3, 1.035):
+    OUT_OF_RANGE_SIGS.append(OUT_OF_RANGE_SIGS[-1] * _factor)
+
+
+def fitted_profile(tmp_path, with_range=True):
+    import json
+    profile = {"signal": "modulated_input", "coefficients": [2.0, -0.01]}
+    if with_range:
+        profile["rel_range"] = [0.01, 0.2]
+    path = tmp_path / ("profile.json" if with_range else "old_profile.json")
+    path.write_text(json.dumps(profile))
+    return f"poly:{path}"
+
+
+def test_teacache_rescale_is_clamped_at_zero_below_the_fitted_range(tmp_path):
+    """Unclamped, steps 1-5 would leave the accumulator at -0.04 and the next computes would
+    come a step late (CSSSSSSSCSCC); a long run of tiny changes would reuse to the last step."""
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=0.1, policy=fitted_profile(tmp_path))), 12)
+    assert run(g, OUT_OF_RANGE_SIGS) == {"cond": "CSSSSSSCSCCC"}
+    rows = g.telemetry.trace
+    expected_accum = [None, 0, 0, 0, 0, 0, 0.06, 0.12, 0.06, 0.12, 0.59, 0.06]
+    assert [r["accum"] for r in rows] == [None if a is None else pytest.approx(a, abs=1e-6)
+                                         for a in expected_accum]
+    assert [r["rescaled"] for r in rows[1:6]] == [0.0] * 5
+    below = "profile_below_range+rescale_clamped"
+    assert [r["notes"] for r in rows] == [None, *[below] * 5, None, None, None, None,
+                                         "profile_above_range", None]
+    summary = g.summary()
+    assert summary["notes"] == {"profile_below_range": 5, "profile_above_range": 1,
+                                "rescale_clamped": 5}
+    assert summary["branches"]["cond"]["notes"] == summary["notes"]
+
+
+def test_the_summary_warns_once_when_a_profile_ran_outside_its_fitted_range(tmp_path):
+    from sampling.stage2 import profile_warnings
+    config = CMConfig(teacache=TeaCacheConfig(threshold=0.1, policy=fitted_profile(tmp_path)))
+    g = gate(config, 12)
+    run(g, OUT_OF_RANGE_SIGS)
+    warnings = profile_warnings(config, g.summary(), g.telemetry.trace)
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    assert "outside the rel range it was fitted on [0.01, 0.2] on 6 of 11 measured calls " \
+           "(5 below, 1 above)" in warnings[0]
+    assert "5 rescaled changes came out negative and counted as 0" in warnings[0]
+    g = gate(config, 12)
+    run(g, [1.05 ** k for k in range(12)])  # rel 0.05 throughout: inside the range
+    assert profile_warnings(config, g.summary(), g.telemetry.trace) == []
+
+
+def test_a_profile_without_a_fitted_range_still_loads_and_is_still_clamped(tmp_path):
+    config = CMConfig(teacache=TeaCacheConfig(threshold=0.1,
+                                              policy=fitted_profile(tmp_path, with_range=False)))
+    assert config.teacache.profile.rel_range is None
+    g = gate(config, 12)
+    assert run(g, OUT_OF_RANGE_SIGS) == {"cond": "CSSSSSSCSCCC"}
+    assert g.summary()["notes"] == {"profile_below_range": 0, "profile_above_range": 0,
+                                    "rescale_clamped": 5}
+
+
+def test_teacache_relative_threshold_counts_multiples_of_the_mean_change():
+    """rel 0.02 every step: the mean is 0.02, so threshold 1.5 means 0.03 (worked by hand):
+    warmup | .02 S | .04 C | .02 S | .04 C | .02 S | .04 C | .02 S | .04 C | last."""
+    config = CMConfig(teacache=TeaCacheConfig(threshold=1.5, relative=True))
+    g = gate(config, 10)
+    assert run(g, [1.02 ** k for k in range(10)]) == {"cond": "CSCSCSCSCC"}
+    assert [r["threshold"] for r in g.telemetry.trace[1:]] == [pytest.approx(0.03)] * 9
+    # a varying rel: .01, .01, .04, .01 -> means .01, .01, .02, .0175 -> thresholds x1.5
+    sigs = [1.0, 1.01, 1.01 * 1.01, 1.01 * 1.01 * 1.04, 1.01 * 1.01 * 1.04 * 1.01, 1.0]
+    g = gate(config, 6)
+    run(g, sigs)
+    rows = g.telemetry.trace
+    assert [r["threshold"] for r in rows[1:5]] == [pytest.approx(v) for v in
+                                                   (0.015, 0.015, 0.03, 0.02625)]
+    assert [r["action"] for r in rows[1:5]] == ["skip", "compute", "compute", "skip"]
+
+
+def test_teacache_relative_threshold_takes_the_same_decisions_on_a_100x_quieter_signal():
+    rels = [0.02, 0.01, 0.03, 0.005, 0.02, 0.04, 0.01, 0.01, 0.02, 0.03, 0.01]
+
+    def signatures(scale):
+        sigs = [1.0]
+        for r in rels:
+            sigs.append(sigs[-1] * (1 + r * scale))
+        return sigs
+
+    def actions(config, scale):
+        return run(gate(config, len(rels) + 1), signatures(scale))["cond"]
+
+    relative = CMConfig(teacache=TeaCacheConfig(threshold=2.0, relative=True))
+    assert actions(relative, 1.0) == actions(relative, 0.01)
+    assert "S" in actions(relative, 1.0) and actions(relative, 1.0).count("C") > 2
+    absolute = CMConfig(teacache=TeaCacheConfig(threshold=0.05))
+    assert actions(absolute, 0.01) == "C" + "S" * (len(rels) - 1) + "C"  # 0.05 is never reached
+    assert actions(absolute, 1.0) != actions(absolute, 0.01)
+
+
+def test_a_signal_that_never_moves_computes_in_relative_mode():
+    g = gate(CMConfig(teacache=TeaCacheConfig(threshold=3.0, relative=True)), 6)
+    assert run(g, [1.0] * 6) == {"cond": "CCCCCC"}

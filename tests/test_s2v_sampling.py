@@ -167,8 +167,8 @@ def test_clip_counts_and_geometry_are_checked():
 
 # --- the command ---------------------------------------------------------------------------------
 
-def _cli(cwd, *args, devices=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _cli(cwd, *args, devices=None, **extra_env):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra_env
     if devices:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     return subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
@@ -201,7 +201,8 @@ def test_clips_on_a_sequence_and_cfg_parallel_mesh_compile_nothing_in_the_loop(t
     assert out.returncode == 0, out.stderr
     assert "x4 (sp 2, cfg 2, weights fsdp)" in out.stdout and "clip 1: pair" in out.stdout
     assert "loop 0\n" in out.stdout
-    out = _cli(tmp_path, "--backend", "torch", "--sp_size", "2")
+    # as one rank of a 2-process torchrun world would see it (the world itself fits the flags)
+    out = _cli(tmp_path, "--backend", "torch", "--sp_size", "2", WORLD_SIZE="2", RANK="0")
     assert out.returncode == 2 and "sequence/CFG parallel on the JAX backend only" in out.stderr
 
 

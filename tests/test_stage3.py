@@ -3,6 +3,7 @@ checkpoint loading in both layouts, tiling, and the errors that must stop a run 
 written."""
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -192,7 +193,8 @@ def test_several_ranks_without_patch_parallel_or_too_many_are_refused(tmp_path, 
     assert VIDEO not in os.listdir(tmp_path)
 
 
-def test_a_failure_while_encoding_leaves_the_previous_video_and_config(tmp_path, monkeypatch):
+def test_a_full_disk_while_encoding_says_so_and_leaves_the_previous_video_and_config(
+        tmp_path, monkeypatch, capsys):
     stage2_dir(tmp_path, "hunyuanvideo-tiny")
     assert main(["--input_dir", str(tmp_path)]) == 0
     before = snapshot(tmp_path)
@@ -205,14 +207,17 @@ def test_a_failure_while_encoding_leaves_the_previous_video_and_config(tmp_path,
         def append(frame):
             calls.append(1)
             if len(calls) == 3:
-                raise OSError("disk full")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             type(writer).append_data(writer, frame)
         writer.append_data = append
         return writer
 
     monkeypatch.setattr(imageio, "get_writer", failing_writer)
-    with pytest.raises(OSError, match="disk full"):
-        main(["--input_dir", str(tmp_path), "--fps", "8"])
+    capsys.readouterr()
+    assert main(["--input_dir", str(tmp_path), "--fps", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not write output_video.mp4" in err
+    assert "No space left on device (the disk is full)" in err
     assert snapshot(tmp_path) == before  # old video and config intact, no temporary left
 
 

@@ -102,14 +102,14 @@ def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
 
     out = tmp_path / "out"
     monkeypatch.setattr(stage_io.os, "replace", fail_on_config)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(StageFileError, match="disk full"):
         write_stage2(str(out), torch.zeros(1, 4, 1, 2, 2), {}, {"a": 1})
     assert list(out.iterdir()) == []
     # a rerun that fails keeps the previous run's files, untouched
     monkeypatch.setattr(stage_io.os, "replace", real)
     write_stage2(str(out), torch.ones(1), {}, {"run": 1})
     monkeypatch.setattr(stage_io.os, "replace", fail_on_config)
-    with pytest.raises(OSError):
+    with pytest.raises(StageFileError, match="earlier runs are as they were"):
         write_stage2(str(out), torch.zeros(1), {}, {"run": 2})
     latents, _, config = read_stage2(str(out))
     assert latents.item() == 1.0 and config == {"run": 1}
