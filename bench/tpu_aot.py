@@ -2,7 +2,7 @@
 bench/results/tpu_aot.md.
 
     pip install "jax[tpu]==0.10.2"       # libtpu: the compiler (in requirements-dev.txt)
-    python bench/tpu_aot.py [--only SUBSTRING] [--rerun]
+    python bench/tpu_aot.py [--only ROW[,ROW...]] [--rerun]
 
 Each row is one `python -m tpu.aot` run (one at a time: a real-size compile takes minutes and a
 few GB), its report kept as JSON under bench/results/tpu_aot/ and reused unless --rerun, so the
@@ -85,7 +85,8 @@ def row_line(name: str, args: str, r: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="run only rows whose name contains this")
+    ap.add_argument("--only", help="compile only these rows (names, comma-separated); the others "
+                    "come from their reports if present")
     ap.add_argument("--rerun", action="store_true", help="compile again even if a report exists")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -107,8 +108,13 @@ def main():
         "| TFLOP/step/chip | roofline s/step, off | computed steps | roofline s/step, cached |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    only = None if args.only is None else set(args.only.split(","))
+    unknown = (only or set()) - {name for name, _ in ROWS}
+    if unknown:
+        raise SystemExit(f"--only {args.only}: unknown row(s) {sorted(unknown)}; expected names from "
+                         f"{', '.join(name for name, _ in ROWS)}")
     for name, row_args in ROWS:
-        if args.only and args.only not in name:
+        if only is not None and name not in only:
             path = OUT / f"{name}.json"
             if not path.exists():
                 continue
