@@ -165,3 +165,24 @@ def test_fsdp_needs_a_mesh():
     model = build_model("wan-tiny-ti2v")
     with pytest.raises(ValueError, match="several devices"):
         JaxBackend({None: model}, SignalPlan(0, 1), weights="fsdp")
+
+
+def test_splash_takes_the_block_sizes_of_the_generation_it_compiles_for(monkeypatch):
+    """v5e gives a kernel 16 MiB of scoped VMEM: the stock 2048-row query blocks ran out of it in
+    Wan2.2 TI2V-5B's real-size middle (E1001), so programs compiled for v5e trace splash with
+    that generation's sizes, and every other generation keeps the stock ones."""
+    from tpu import attention
+    kinds = []
+    real = attention.block_sizes
+
+    def spy(kind=None):
+        kinds.append(kind or attention._device_kind)
+        return real(kind)
+    monkeypatch.setattr(attention, "block_sizes", spy)
+    _, devices = aot.topology_devices("v5e:2x4")
+    backend, _ = _compile(devices, "wan-tiny-ti2v", CMConfig(deepcache=DeepCacheConfig()), sp=2)
+    assert backend.program("middle").kernel_flops > 0
+    assert kinds and set(kinds) == {"TPU v5 lite"}
+    assert real("TPU v5 lite") == (1024, attention.BLOCK_KV, attention.BLOCK_KV_COMPUTE)
+    assert real("TPU v6 lite") == (attention.BLOCK_Q, attention.BLOCK_KV, attention.BLOCK_KV_COMPUTE)
+    assert attention._device_kind is None  # restored after tracing

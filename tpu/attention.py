@@ -34,6 +34,34 @@ BLOCK_KV = 2048
 BLOCK_KV_COMPUTE = 1024
 _LANES = 128  # splash blocks must be multiples of the TPU lane count
 
+# Largest blocks per TPU generation (jax device_kind), where the stock ones do not fit: inside
+# Wan2.2 TI2V-5B's real-size middle program the stock kernel asks 17.5 MiB (v5e, sp 8) and
+# 21.6 MiB (v5p, sp 4) of scoped VMEM, over the 16 MiB both give a kernel (libtpu E1001
+# CompileTimeScopedVmemOom, found with `python -m tpu.aot --model wan2.2-ti2v-5b --topology
+# v5e:2x4 --sp_size 8`); half-height query blocks fit. v6e compiles the stock sizes at every
+# size in bench/results/tpu_aot.md.
+BLOCKS_BY_KIND = {"TPU v5 lite": (1024, BLOCK_KV, BLOCK_KV_COMPUTE),
+                  "TPU v5": (1024, BLOCK_KV, BLOCK_KV_COMPUTE)}
+_device_kind: str | None = None  # the device kind programs are being traced for
+
+
+@contextmanager
+def tracing_for(device_kind: str | None):
+    """Trace attention inside the block for programs compiled for `device_kind`: the splash
+    kernel takes that generation's block sizes."""
+    global _device_kind
+    previous, _device_kind = _device_kind, device_kind
+    try:
+        yield
+    finally:
+        _device_kind = previous
+
+
+def block_sizes(device_kind: str | None = None) -> tuple[int, int, int]:
+    """(block_q, block_kv, block_kv_compute) upper bounds for a device kind (default: the one
+    being traced for); the stock sizes unless BLOCKS_BY_KIND names a smaller set."""
+    return BLOCKS_BY_KIND.get(device_kind or _device_kind, (BLOCK_Q, BLOCK_KV, BLOCK_KV_COMPUTE))
+
 
 # --- jax.nn.dot_product_attention ---------------------------------------------------------------
 
@@ -176,16 +204,21 @@ def _record_kernel(q_BLNH, k_BSNH, plan: SplashPlan) -> None:
 
 def splash_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.Tensor,
                      key_mask_BS: torch.Tensor | None = None, *, interpret: bool = False,
-                     block_q: int = BLOCK_Q, block_kv: int = BLOCK_KV,
-                     block_kv_compute: int = BLOCK_KV_COMPUTE) -> torch.Tensor:
+                     block_q: int | None = None, block_kv: int | None = None,
+                     block_kv_compute: int | None = None) -> torch.Tensor:
     """`ops.attention` through the Pallas TPU splash kernel, vmapped over batch.
 
-    Block sizes are upper bounds (multiples of 128; see `splash_plan`). Every query row must
+    Block sizes are upper bounds (multiples of 128; see `splash_plan`); None: the traced-for
+    device generation's (`block_sizes`). Every query row must
     keep at least one valid key (the `ops.attention` contract): a row with none would average
     over the padding instead of over all keys. Forward only (no backward block sizes).
     `interpret=True` runs the kernel in the Pallas interpreter, e.g. on CPU for tests.
     """
     q, k, v, key_mask = _to_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS)
+    default_q, default_kv, default_kv_compute = block_sizes()
+    block_q = block_q or default_q
+    block_kv = block_kv or default_kv
+    block_kv_compute = block_kv_compute or default_kv_compute
     if _KERNEL_COSTS is not None:
         _record_kernel(q, k, splash_plan(q.shape[1], k.shape[1], block_q=block_q,
                                          block_kv=block_kv, block_kv_compute=block_kv_compute))

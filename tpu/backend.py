@@ -192,6 +192,14 @@ class JaxBackend:
         """Inputs are replicated on a mesh; GSPMD splits the work from there."""
         return array if self._placement is None else jax.device_put(array, self._placement)
 
+    def _device_kind(self) -> str:
+        """The kind of device the programs compile for (kernels pick their block sizes by it)."""
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].device_kind
+        device = next(iter(self._placement.device_set)) if self._placement is not None \
+            else jax.devices()[0]
+        return device.device_kind
+
     def _call(self, name: str, program, *args):
         """Run one jitted program (a stage or a helper): the one place the loop's device work
         starts, so an ahead-of-time backend (`tpu.aot`) can compile instead of run."""
@@ -203,7 +211,7 @@ class JaxBackend:
         """(jitted stage, the names of the weights it takes). Weights a stage does not read stay
         out of its arguments; they are bound to meta tensors while tracing, so a stage that read
         one after all would fail loudly at warm-up instead of baking a constant in."""
-        env, impl, lay = self.env, self.attention, self.layout
+        env, impl, lay, kind = self.env, self.attention, self.layout, self._device_kind()
         if self.mesh is not None:
             from sharding.jax_sp import ATTENTION
             impl = ATTENTION
@@ -212,7 +220,8 @@ class JaxBackend:
                   for n, p in stage.named_parameters() if not stage.uses_parameter(n)}
 
         def traced(params, *args):
-            with env, torch.no_grad(), ops.use(attention=impl), layout.use(lay):
+            with env, torch.no_grad(), ops.use(attention=impl), layout.use(lay), \
+                    attention.tracing_for(kind):
                 return torch.func.functional_call(stage, {**absent, **params}, args)
 
         return jax.jit(self.torchax.interop.jax_view(traced)), names
