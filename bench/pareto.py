@@ -874,28 +874,32 @@ NOTES = """\
   FBC (the same first-block residual test): the same computed fraction and PSNR at the smaller
   thresholds; at larger ones ours also computes the last step (`last_steps=1`, 2 of 100 calls).
 - Where our lead comes from: forecasting the reused residual from the last two or three computed
-  ones (FBCache +forecast2, FBCache F1B2 +forecast1, TeaCache +forecast2 make up our front).
-  cache-dit's TaylorSeer calibrator does the same for its DBCache and is the peer closest to us
-  on HunyuanVideo-1.5.
-- Where we are not ahead: the cheap end (computed fraction about 0.25 and below), where the
-  forecast's gain over plain reuse shrinks as reuse runs grow (compare FBCache +forecast2 with
-  FBCache at the same threshold) and the first-block test that we share with FBC and cache-dit
-  decides; and, on HunyuanVideo-1.5, the high-fidelity end (computed 0.78 and above), where
-  cache-dit F1B0/F8B0 with TaylorSeer comes within 3 dB of us.
+  ones, and (issue 17) deciding reuse by the forecast's own error: the FBCache +forecast2/+forecast1
+  gated curves compare block 0's residual with its forecast (`--forecast_gate`) and sum that
+  error over the reuse run (`--fb_accumulate`). Block 0's forecast error follows the middle's
+  closely (log correlation 0.99 to 1.00, `python bench/forecast_signals.py`), so reuse runs
+  stop where the extrapolation goes wrong, not where the raw change is large; the gated curves
+  alone make all of our front on HunyuanVideo-1.5 and its mid and high-fidelity part on Wan.
+  cache-dit's TaylorSeer calibrator forecasts like us but decides on the raw change.
+- Where we are not ahead: Wan's cheap end. At diffusers FBC's 0.227 / 62.5 dB point ours is
+  +0.5 dB at that fraction and 1.09x at that PSNR; at its 0.149 / 55.7 dB point +5.5 dB but no
+  cheaper (ours computes the last step too). The first reuse run has one stored residual and is
+  plain reuse; extrapolating it along block 0's change cannot help, since that change points
+  almost orthogonally to the middle's (cos 0.0 to 0.2, bench/results/forecast_signals.md).
+- Our curves are not monotonic in the threshold (Wan gated 0.07: 0.304 computed, 64.3 dB; 0.15:
+  0.265, 70.9 dB): the errors of different reuse runs partly cancel in the final latent, so a
+  single point carries a few dB of luck either way; the front takes each curve's best points.
 - Measured time: the standing in time compares the loops' CPU seconds directly (ours and
   diffusers' do the same maths on the same torch CPU; their uncached CPU seconds are given
   above). A single run's CPU time moves by several percent between identical runs (the
   spread above) and by more when other jobs load the machine, so the standing in time changes
   between runs wherever the computed-fraction lead is small. The computed fraction does not
   move.
-- What would move us further (not yet measured): for the cheap end, a reuse decision that
-  accounts for the forecast (skip while the forecast error, not the raw first-block change,
-  stays small) so long reuse runs stop where the extrapolation goes wrong; for the
-  high-fidelity end, a more accurate forecast at small thresholds (higher order only where the
-  history is smooth, or a per-block forecast like cache-dit's); and a budgeted mode that
-  calibrates a forecasting configuration: today it calibrates plain TeaCache, so it sits on
-  plain TeaCache's curve (and TeaCache's modulated-input signal follows the output less well on
-  HunyuanVideo-1.5, see the fit R^2 above).
+- What would move us further (not yet measured): for Wan's cheap end, weighting each reused
+  step's forecast error by the scheduler's step size (the final error adds them up so); and a
+  budgeted mode that calibrates a forecasting configuration: today it calibrates plain TeaCache,
+  so it sits on plain TeaCache's curve (and TeaCache's modulated-input signal follows the output
+  less well on HunyuanVideo-1.5, see the fit R^2 above).
 - Caveats: random weights keep much of the initial noise, so PSNR is inflated (rel/disp does not
   flatter); one prompt and one seed are evaluated (budgeted mode and MagCache calibrate on
   another draw); the models are tiny (30 blocks, width 48 / 64, 320 / 400 tokens), so per-op
