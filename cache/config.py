@@ -68,6 +68,14 @@ class CMConfig:
     # On reuse, forecast the residual from the last forecast + 1 computed ones (1 linear,
     # 2 quadratic, Taylor-style); 0 reuses the last one as is. Pair with limits.max_continuous.
     forecast: int = 0
+    # Forecast-aware reuse (issue 17): the FBCache tensor metric compares block 0's residual with
+    # its own forecast (the same order and weights as the reused residual's) instead of the last
+    # computed one, so reuse goes on while the forecast's error stays under the threshold, not
+    # while the raw change does. Needs forecast >= 1 and metric residual_tensor_rel_l1.
+    forecast_gate: bool = False
+    # Order 2 only while the gap since the last compute is at most this many times the spacing of
+    # the last two computes (longer gaps forecast linearly); None = always the highest order.
+    forecast_reach: float | None = None
     dry_run: bool = False  # decide and record, but always compute (calibration, seed 002)
     # Scene-change guard (seed 002): compute whenever the latent moved more than this relative L1
     # since the previous step (a cut, a new condition); 0 = off.
@@ -121,9 +129,20 @@ class CMConfig:
         check_int("CMConfig", "forecast", self.forecast)
         if self.forecast > 2:
             raise ConfigError(f"CMConfig.forecast is the forecasting order 0, 1 or 2; got {self.forecast}")
-        for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run"):
+        if self.forecast_reach is not None:
+            check_float("CMConfig", "forecast_reach", self.forecast_reach)
+        for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run", "forecast_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.forecast_gate and (self.forecast < 1 or self.fbcache is None
+                                   or self.fbcache.metric not in fbcache.TENSOR_METRICS):
+            raise ConfigError(
+                "CMConfig.forecast_gate compares block 0's residual with its forecast: it needs "
+                f"forecast >= 1 (got {self.forecast}) and FBCache with metric "
+                f"{fbcache.TENSOR_METRICS[0]} (got "
+                f"{None if self.fbcache is None else self.fbcache.metric!r})",
+                field="CMConfig.forecast_gate", value=True,
+                expected=f"--forecast 1 or 2 with --fb_metric {fbcache.TENSOR_METRICS[0]}")
 
     def _check_bn_ids(self) -> None:
         ids = self.bn_ids

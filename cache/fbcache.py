@@ -8,6 +8,7 @@ Metrics (the backend computes the on-device part and reduces it to one scalar):
   residual_tensor_rel_l1  mean |r1 - r1_ref| / mean |r1_ref| with r1 = block0(x) - x and r1_ref
                           the one stored at the last computed step (First-Block-Cache, cache-dit);
                           already a distance from the last refresh, so it is not accumulated
+                          (unless `accumulate`: with forecast_gate it is one step's forecast error)
 EMA (0 = off) smooths rel before the threshold: rel = ema * prev_rel + (1 - ema) * rel.
 """
 
@@ -39,6 +40,10 @@ class FBCacheConfig:
     # change exceeds this, so a small moving region is not diluted by a static background (the
     # full mean when no token exceeds it); 0 = every token.
     saliency: float = 0.0
+    # Sum the tensor metric over the reuse run instead of holding each value alone against the
+    # threshold (issue 17): with forecast_gate each value is one reused step's forecast error,
+    # and what the run adds to the final latent grows with their sum, not with the last one.
+    accumulate: bool = False
 
     def __post_init__(self):
         check_float("FBCacheConfig", "threshold", self.threshold)
@@ -46,6 +51,10 @@ class FBCacheConfig:
         check_int("FBCacheConfig", "downsample", self.downsample, minimum=1)
         check_float("FBCacheConfig", "ema", self.ema, below=1.0)
         check_float("FBCacheConfig", "saliency", self.saliency)
+        if not isinstance(self.accumulate, bool):
+            raise ConfigError(f"FBCacheConfig.accumulate must be True or False, got "
+                              f"{self.accumulate!r}", field="FBCacheConfig.accumulate",
+                              value=self.accumulate, expected="True or False")
         if self.saliency > 0 and self.metric not in TENSOR_METRICS:
             raise ConfigError(f"FBCacheConfig.saliency weights tokens of a tensor metric "
                               f"({', '.join(TENSOR_METRICS)}); metric {self.metric!r} is a scalar "
@@ -87,7 +96,7 @@ def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
         rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
     if not is_finite(rel):
         return None, FBCacheState()
-    accum = rel if config.metric in TENSOR_METRICS else state.accum + rel
+    accum = rel if config.metric in TENSOR_METRICS and not config.accumulate else state.accum + rel
     return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rel),
             replace(state, accum=accum, ema_rel=rel))
 

@@ -98,6 +98,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fb_saliency", "--teacache_saliency", dest="fb_saliency", type=float,
                    help="average the residual_tensor_rel_l1 metric over tokens whose own relative "
                         "change exceeds this " + d(FBCacheConfig, "saliency"))
+    g.add_argument("--fb_accumulate", type=_bool,
+                   help="true: sum the residual_tensor_rel_l1 metric over a reuse run (with "
+                        "--forecast_gate, the forecast errors of the run's steps) "
+                        + d(FBCacheConfig, "accumulate"))
 
     g = parser.add_argument_group("caching: lifecycle, CFG pairs, limits, structure, offload")
     g.add_argument("--cache_warmup", "--teacache_warmup", "--fb_warmup", dest="cache_warmup",
@@ -136,6 +140,14 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--forecast", "--teacache_forecast", dest="forecast", type=int, choices=(0, 1, 2),
                    help="on reuse, extrapolate the residual from the last 2 (1) or 3 (2) computed "
                         "ones " + d(CMConfig, "forecast"))
+    g.add_argument("--forecast_gate", type=_bool,
+                   help="with --forecast and --fb_metric residual_tensor_rel_l1: compare block 0's "
+                        "residual with its forecast, so reuse goes on while the forecast's error "
+                        "stays under --fb_thresh " + d(CMConfig, "forecast_gate"))
+    g.add_argument("--forecast_reach", type=float,
+                   help="forecast with order 2 only while the gap since the last compute is at "
+                        "most this many times the spacing of the last two, else linearly "
+                        + d(CMConfig, "forecast_reach"))
     g.add_argument("--scene_guard", "--teacache_scene_guard", dest="scene_guard", type=float,
                    help="compute when the latent's relative L1 change since the last step exceeds "
                         "this " + d(CMConfig, "scene_guard") + "; 0 = off")
@@ -160,6 +172,7 @@ FIELD_FLAGS = {
     "FBCacheConfig.downsample": ("--fb_downsample", "fb_downsample"),
     "FBCacheConfig.ema": ("--fb_ema", "fb_ema"),
     "FBCacheConfig.saliency": ("--fb_saliency", "fb_saliency"),
+    "FBCacheConfig.accumulate": ("--fb_accumulate", "fb_accumulate"),
     "CMConfig.warmup": ("--cache_warmup", "cache_warmup"),
     "CMConfig.last_steps": ("--cache_last_steps", "cache_last_steps"),
     "CMConfig.evaluation_order": ("--evaluation_order", "evaluation_order"),
@@ -170,6 +183,8 @@ FIELD_FLAGS = {
     "CMConfig.offload_watermark": ("--offload_watermark", "offload_watermark"),
     "CMConfig.noise_adapt": ("--noise_adapt", "noise_adapt"),
     "CMConfig.forecast": ("--forecast", "forecast"),
+    "CMConfig.forecast_gate": ("--forecast_gate", "forecast_gate"),
+    "CMConfig.forecast_reach": ("--forecast_reach", "forecast_reach"),
     "CMConfig.scene_guard": ("--scene_guard", "scene_guard"),
 }
 TECHNIQUE_CLASSES = {"deepcache": "DeepCacheConfig", "teacache": "TeaCacheConfig",
@@ -269,6 +284,8 @@ def _config_from_args(args: argparse.Namespace) -> CMConfig:
             noise_adapt=args.noise_adapt,
             dry_run=args.dry_run,
             forecast=args.forecast,
+            forecast_gate=args.forecast_gate,
+            forecast_reach=args.forecast_reach,
             scene_guard=args.scene_guard,
             bn_ids=args.bn_ids,
             ctrl_guard=args.ctrl_guard,

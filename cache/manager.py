@@ -49,7 +49,9 @@ class BranchState:
     limits: limits.LimitsState = field(default_factory=limits.LimitsState)
     slot: Slot = field(default_factory=Slot)
     tail: list[Slot] = field(default_factory=list)  # one per reused tail run (bn_ids)
-    probe: Any = None  # first-block residual of the last computed step (residual_tensor_rel_l1)
+    # first-block residual of the last computed step (residual_tensor_rel_l1), and with
+    # forecast_gate the earlier ones its forecast needs
+    probe: Slot = field(default_factory=Slot)
     row: dict | None = None  # its last trace row, amended if apply() turns a skip into a compute
     last: Decision | None = None
 
@@ -301,7 +303,8 @@ class CacheManager:
                                self._convert(decision, state, FailSafe.MISSING_RESIDUAL))
             residuals = []
             for slot in (state.slot, *state.tail):
-                residual, failure = slot.fetch(self.ops, x, decision.step, self.config.forecast)
+                residual, failure = slot.fetch(self.ops, x, decision.step, self.config.forecast,
+                                               self.config.forecast_reach)
                 if failure is not None:
                     return Applied(x, decision.resume_from_block,
                                    self._convert(decision, state, failure))
@@ -349,15 +352,29 @@ class CacheManager:
                 for slot, residual in zip(state.tail, tail, strict=True):
                     slot.store(self.ops, residual, decision.step, keep=keep)
             if probe is not None:
-                state.probe = probe
+                state.probe.store(self.ops, probe, decision.step,
+                                  keep=keep if self.config.forecast_gate else 0)
             self._place(state)
         except Exception:  # noqa: BLE001
             self.telemetry.count_failsafe(FailSafe.INTERNAL_ERROR, decision)
 
     def probe_reference(self, branch: str):
-        """The first-block residual stored at the branch's last computed step, or None."""
+        """The first-block residual stored at the branch's last computed step, or None. With
+        forecast_gate, and called between begin_step and decide, that residual forecast to the
+        call's step as a reuse would forecast the middle's: the probe's change metric then
+        measures the forecast's own error at block 0, in the same programs and the same one
+        scalar read (no extra device read, the gate stays backend-free)."""
         state = self._branches.get(branch)
-        return state.probe if state is not None else None
+        if state is None or state.probe.residual is None:
+            return None
+        call, cfg = self._call, self.config
+        if not cfg.forecast_gate or call is None or call.branch != branch:
+            return state.probe.residual
+        try:
+            return state.probe.reference(self.ops, call.step, cfg.forecast, cfg.forecast_reach)
+        except Exception:  # noqa: BLE001 - the raw change still bounds plain reuse
+            self.telemetry.count_failsafe(FailSafe.INTERNAL_ERROR, state.last)
+            return state.probe.residual
 
     def _place(self, state: BranchState) -> None:
         """Apply the offload policy to a freshly stored residual."""
@@ -396,16 +413,11 @@ class CacheManager:
 
     def _move_state(self, state: BranchState, device) -> None:
         try:
-            for slot in (state.slot, *state.tail):
+            for slot in (state.slot, *state.tail, state.probe):
                 self._move_slot(slot, device, state.last)
-            if state.probe is not None:
-                state.probe, failure = move(self.ops, state.probe, device)
-                if failure is not None:
-                    self.telemetry.count_failsafe(failure, state.last)
         except Exception:  # noqa: BLE001
-            for slot in (state.slot, *state.tail):
+            for slot in (state.slot, *state.tail, state.probe):
                 slot.drop()
-            state.probe = None
             self.telemetry.count_failsafe(FailSafe.INTERNAL_ERROR, state.last)
 
     # ---- helpers and reporting ---------------------------------------------------------------

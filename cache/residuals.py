@@ -80,6 +80,19 @@ def extrapolation_weights(steps: list[int], at: int) -> list[float]:
     return weights
 
 
+def forecast_order(steps: list[int], at: int, order: int, reach: float | None = None) -> int:
+    """The order to forecast with at step `at` from tensors kept at `steps` (oldest first): at most
+    `order` and what the history allows (len(steps) - 1). With `reach`, order 2 only while the
+    gap since the last compute is at most `reach` times the spacing of the last two: a quadratic's
+    Lagrange weights grow with the square of the gap over the spacing, so far out it amplifies
+    the noise in the three points more than its curvature term removes (issue 17: on long reuse
+    runs the quadratic forecast measured worse than the linear one)."""
+    usable = max(0, min(order, len(steps) - 1))
+    if usable >= 2 and reach is not None and at - steps[-1] > reach * (steps[-1] - steps[-2]):
+        usable = 1
+    return usable
+
+
 @dataclass
 class Slot:
     """One branch's cached residual and the guards that decide whether it may be reused."""
@@ -103,26 +116,49 @@ class Slot:
         self.residual = self.shape = self.dtype = self.step = None
         self.earlier = []
 
-    def fetch(self, ops: TensorOps, x, step: int | None = None, order: int = 0):
+    def fetch(self, ops: TensorOps, x, step: int | None = None, order: int = 0,
+              reach: float | None = None):
         """The residual ready to add to x, or (None, fail-safe reason). Drops a residual it cannot
         use. With `order` > 0 and earlier residuals kept, the residual is forecast to `step` from
-        the last order + 1 computed ones (plain reuse until enough are kept)."""
+        the last order + 1 computed ones (plain reuse until enough are kept; the order is capped
+        by `forecast_order`)."""
         residual, failure = self._latest(ops, x)
-        if failure is not None or not order or not self.earlier or step is None:
+        if failure is not None or step is None:
             return residual, failure
-        points, device = self.earlier[-order:], ops.device(x)
+        return self._extrapolate(ops, residual, ops.dtype(x), ops.device(x), step, order, reach), None
+
+    def reference(self, ops: TensorOps, step: int, order: int, reach: float | None = None):
+        """The stored tensor forecast to `step` as `fetch` would (same order, same weights), in
+        its own dtype and place; the stored one itself when there is nothing to forecast from."""
+        if self.residual is None:
+            return None
+        return self._extrapolate(ops, self.residual, self.dtype, ops.device(self.residual), step,
+                                 order, reach)
+
+    def history_steps(self) -> list[int]:
+        """The steps of the kept tensors, oldest first (the newest is `step`)."""
+        return [s for s, _ in self.earlier] + [self.step]
+
+    def _extrapolate(self, ops: TensorOps, latest, dtype, device, step: int, order: int,
+                     reach: float | None):
+        if not order or not self.earlier or self.step is None:
+            return latest
+        order = forecast_order(self.history_steps(), step, order, reach)
+        if not order:
+            return latest
+        points = self.earlier[-order:]
         values = []
         for _, r in points:
             if ops.shape(r) != self.shape or ops.dtype(r) != self.dtype:
-                return residual, None  # cannot forecast from these: plain reuse
+                return latest  # cannot forecast from these: plain reuse
             if ops.device(r) != device:
                 r, failure = move(ops, r, device)
                 if failure is not None:
                     self.earlier = []
-                    return residual, None
-            values.append(ops.cast(r, ops.dtype(x)) if self.dtype != ops.dtype(x) else r)
+                    return latest
+            values.append(ops.cast(r, dtype) if self.dtype != dtype else r)
         weights = extrapolation_weights([s for s, _ in points] + [self.step], step)
-        return ops.combine(list(zip(weights, values + [residual], strict=True))), None
+        return ops.combine(list(zip(weights, values + [latest], strict=True)))
 
     def _latest(self, ops: TensorOps, x):
         if self.residual is None:

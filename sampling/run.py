@@ -66,8 +66,12 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     hidden, ctx, signals, r1 = backend.probe(expert, sample.noise, t, conds, None)
     if plan.fields:
         backend.read_signals(signals)
-    if plan.needs_reference:
-        backend.probe(expert, sample.noise, t, conds, r1)
+    references = [r1] if plan.needs_reference else []
+    if plan.forecast_reference:  # forecast_gate: the reference is a combination of stored ones
+        references += [backend.ops.combine([(1.0, r1)] * (order + 1))
+                       for order in range(1, plan.forecast + 1)]
+    for ref in references:
+        backend.probe(expert, sample.noise, t, conds, ref)
     after = backend.middle(expert, hidden, ctx)
     residual = backend.ops.sub(after, hidden)
     reused = backend.ops.add(hidden, residual)
@@ -97,7 +101,7 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
     # jitted program specialises on placements: should a latent come back placed unlike the
     # noise (before the JAX layout returned results whole, Wan S2V's came back split over
     # frames), the program compiles here, not in the loop.
-    for ref in (None, r1) if plan.needs_reference else (None,):
+    for ref in [None] + references:
         for previous in (sample.noise, x):
             backend.probe(expert, x, t, conds, ref, previous)
     for updates in sample.cond_updates.values():  # the control guard's change measure

@@ -52,6 +52,9 @@ class SignalPlan:
     scene_guard: bool = False  # report the latent's relative L1 change since the last step
     tail_runs: tuple[tuple[int, int], ...] = ()  # reused runs of the tail window (bn_ids)
     saliency: float = 0.0  # token-saliency threshold of the residual tensor metric (0 = off)
+    # the probe's reference is a forecast of block 0's residual (forecast_gate): warm-up runs
+    # the probe on one, whose placement comes from the forecast program
+    forecast_reference: bool = False
 
     @classmethod
     def from_config(cls, config: CMConfig) -> "SignalPlan":
@@ -65,7 +68,7 @@ class SignalPlan:
         saliency = config.fbcache.saliency if config.fbcache is not None else 0.0
         return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample,
                    config.forecast, tc_downsample, "latent_delta" in config.needs_signals,
-                   config.tail_runs, saliency)
+                   config.tail_runs, saliency, config.forecast_gate)
 
     @property
     def fields(self) -> tuple[str, ...]:

@@ -69,3 +69,5 @@ def test_front_and_goal():
     (point, gain, ratio), = pareto.compare([(0.4, 70.0), (0.6, 75.0)], [(0.6, 70.0, "peer")], 0.0)
     assert point == (0.6, 70.0, "peer") and (gain, ratio) == (5.0, pytest.approx(1.5))
     assert pareto.goal_met(gain, ratio) and not pareto.goal_met(2.0, 1.2)
+    assert pareto.both_met(gain, ratio) and pareto.goal_met(5.0, 1.0)
+    assert not pareto.both_met(5.0, 1.0) and not pareto.both_met(None, 2.0)

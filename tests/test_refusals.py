@@ -86,6 +86,9 @@ STAGE2_FLAGS = [
     (["--teacache", "--ctrl_guard", "-0.5"], "--ctrl_guard -0.5: expected a finite number >= 0"),
     (["--teacache", "--scene_guard", "nan"], "--scene_guard nan: expected a finite number >= 0"),
     (["--teacache", "--offload_watermark", "1.5"], "--offload_watermark 1.5: expected a fraction"),
+    (["--fbcache", "--forecast_reach", "-1"], "--forecast_reach -1.0: expected a finite number >= 0"),
+    (["--fbcache", "--forecast", "2", "--forecast_gate", "true"], "--forecast_gate True: expected "
+     "--forecast 1 or 2 with --fb_metric residual_tensor_rel_l1"),
 ]
 
 

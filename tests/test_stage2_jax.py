@@ -229,6 +229,21 @@ def test_forecasting_runs_on_both_backends_without_loop_compiles(order):
     assert rel_err(a, plain) > 1e-6  # the forecast changed what the reuse steps added
 
 
+def test_forecast_gate_runs_on_both_backends_without_loop_compiles():
+    """The probe's reference is a forecast (a combination of stored first-block residuals):
+    warm-up compiles it, both backends take the same decisions, and it changes them."""
+    # the tiny random model is not smooth in t: its block-0 residual changes by about 1 a step
+    fb = FBCacheConfig(threshold=2.5, metric="residual_tensor_rel_l1", accumulate=True)
+    config = CMConfig(fbcache=fb, forecast=2, forecast_gate=True)
+    a, ta, _ = run(JaxBackend, "wan-tiny-ti2v", config, steps=16)
+    b, tb, _ = run(TorchBackend, "wan-tiny-ti2v", config, steps=16)
+    actions = [[r["action"] for r in t.gate.telemetry.trace] for t in (ta, tb)]
+    assert actions[0] == actions[1] and "skip" in actions[0]
+    assert ta.loop_compiles.lowered == 0 and rel_err(a, b) < 1e-5
+    _, plain, _ = run(TorchBackend, "wan-tiny-ti2v", CMConfig(fbcache=fb, forecast=2), steps=16)
+    assert [r["rel"] for r in plain.gate.telemetry.trace] != [r["rel"] for r in tb.gate.telemetry.trace]
+
+
 def test_scene_guard_reads_the_latent_change_on_both_backends():
     config = CMConfig(deepcache=DeepCacheConfig(start=2, end=18, interval=4), scene_guard=0.1)
     a, ta, _ = run(JaxBackend, "wan-tiny-ti2v", config, steps=20)

@@ -1,0 +1,122 @@
+"""Forecast-aware reuse (issue 17): the probe's reference is block 0's residual forecast to the
+call's step, the order is capped by the history and the gap, and the tensor metric may be summed
+over a reuse run. Golden traces worked out by hand."""
+
+import numpy as np
+import pytest
+
+from cache import CacheManager, CMConfig, ConfigError, FBCacheConfig, Signals
+from cache.residuals import NumpyOps, Slot, forecast_order
+from tests.gate_driver import middle_blocks, run
+
+
+def tensor_fb(threshold, **kw):
+    return FBCacheConfig(threshold=threshold, metric="residual_tensor_rel_l1", **kw)
+
+
+def test_forecast_order_is_capped_by_the_history_and_by_the_reach():
+    assert forecast_order([3], 5, 2) == 0  # one stored residual: plain reuse
+    assert forecast_order([0, 3], 5, 2) == 1
+    assert forecast_order([0, 3, 6], 20, 2) == 2  # no reach: the highest order the history allows
+    assert forecast_order([0, 3, 6], 9, 2, reach=1.0) == 2  # gap 3 <= 1.0 x spacing 3
+    assert forecast_order([0, 3, 6], 10, 2, reach=1.0) == 1  # gap 4 > 3: linear
+    assert forecast_order([0, 3, 6], 10, 1, reach=0.1) == 1  # the reach only limits order 2
+
+
+def test_fetch_forecasts_linearly_beyond_the_reach():
+    ops, slot = NumpyOps(), Slot()
+    for s in (0, 4, 5):  # a residual quadratic in the step: s^2
+        slot.store(ops, np.full(2, float(s * s)), s, keep=2)
+    x = np.zeros(2)
+    assert slot.fetch(ops, x, 7, 2)[0][0] == pytest.approx(49.0)  # exact quadratic
+    # gap 2 > 1.0 x spacing 1: the line through (4, 16) and (5, 25) gives 43
+    assert slot.fetch(ops, x, 7, 2, reach=1.0)[0][0] == pytest.approx(43.0)
+    assert slot.reference(ops, 7, 2, reach=1.0)[0] == pytest.approx(43.0)
+
+
+def drive(gate, steps, first_block):
+    """Play the backend with the tensor metric: block 0 adds first_block(step), the probe
+    compares it with gate.probe_reference as mean |r1 - ref| / mean |ref|; the middle blocks
+    add step + 1. Returns the cond actions and outputs."""
+    actions, outs = [], []
+    for step in range(steps):
+        gate.begin_step("cond")
+        ref = gate.probe_reference("cond")
+        r1 = np.full(4, first_block(step))
+        rel = None if ref is None else float(np.abs(r1 - ref).mean() / np.abs(ref).mean())
+        decision = gate.decide(Signals(fbcache=rel))
+        h = np.zeros(4)
+        out, _, decision, _ = gate.apply(decision, h)
+        if not decision.skip:
+            out = middle_blocks(h, step)
+            gate.update(decision, h, out, probe=r1)
+        actions.append("S" if decision.skip else "C")
+        outs.append(float(out[0]))
+    return "".join(actions), outs
+
+
+def gate_for(config, steps):
+    g = CacheManager(config)
+    g.attach(steps)
+    return g
+
+
+def test_forecast_gate_measures_the_forecast_error_not_the_raw_change():
+    """Block 0's residual 1 + 0.1 s moves in a straight line. Measured against the last computed
+    one (no forecast_gate) the change grows with the gap: 0.1, 0.2 (compute), 0.083, 0.167
+    (compute), 0.071, 0.143, 0.214 (compute), 0.059, last step. With forecast_gate the first run
+    has one stored residual (order 0: the same 0.1, 0.2), then the line through steps 0 and 2
+    forecasts block 0 exactly: error 0, so every step reuses up to the last, and the middle's
+    residual (step + 1, also a line) is forecast exactly."""
+    line = lambda s: 1.0 + 0.1 * s  # noqa: E731
+    plain = gate_for(CMConfig(fbcache=tensor_fb(0.15), forecast=1), 10)
+    assert drive(plain, 10, line)[0] == "CSCSCSSCSC"
+    gated = gate_for(CMConfig(fbcache=tensor_fb(0.15), forecast=1, forecast_gate=True), 10)
+    actions, outs = drive(gated, 10, line)
+    assert actions == "CSCSSSSSSC"
+    assert outs == [1.0, 1.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]  # step 1: plain reuse
+    rels = [r["rel"] for r in gated.telemetry.trace]
+    assert rels[1:3] == pytest.approx([0.1, 0.2]) and rels[3:9] == pytest.approx([0.0] * 6, abs=1e-12)
+
+
+def test_forecast_gate_reference_outside_a_call_is_the_stored_residual():
+    g = gate_for(CMConfig(fbcache=tensor_fb(0.15), forecast=1, forecast_gate=True), 10)
+    drive(g, 4, lambda s: 1.0 + 0.1 * s)
+    assert g.probe_reference("cond")[0] == pytest.approx(1.2)  # stored at step 2, no forecast
+    assert g.probe_reference("uncond") is None
+
+
+def test_accumulated_tensor_metric_sums_over_the_reuse_run():
+    # the same values as the plain tensor-metric golden trace: there .01 S .04 S .06 C .02 S .049 S
+    # .05 C; summed, .01 + .04 reaches .05 (compute), .06 C, .02 S, .02 + .049 C, .05 C, last
+    rels = [None, 0.01, 0.04, 0.06, 0.02, 0.049, 0.05, 0.0]
+    g = gate_for(CMConfig(fbcache=tensor_fb(0.05, accumulate=True)), 8)
+    assert run(g, [Signals(fbcache=r) for r in rels]) == {"cond": "CSCCSCCC"}
+    assert [round(r["accum"], 6) for r in g.telemetry.trace[1:7]] == [0.01, 0.05, 0.06, 0.02, 0.069, 0.05]
+
+
+def test_forecast_gate_config_is_checked():
+    with pytest.raises(ConfigError, match="forecast >= 1"):
+        CMConfig(fbcache=tensor_fb(0.1), forecast_gate=True)
+    with pytest.raises(ConfigError, match="residual_tensor_rel_l1"):
+        CMConfig(fbcache=FBCacheConfig(threshold=0.1), forecast=2, forecast_gate=True)
+    with pytest.raises(ConfigError, match="forecast_reach"):
+        CMConfig(fbcache=tensor_fb(0.1), forecast=2, forecast_reach=-1.0)
+    with pytest.raises(ConfigError, match="accumulate"):
+        tensor_fb(0.1, accumulate="yes")
+
+
+def test_flags_map_onto_the_forecast_gate():
+    from cache.flags import config_from_args
+    from stage2_transformer_flax_deepcache import build_parser
+
+    def parse(*args):
+        return config_from_args(build_parser().parse_args(list(args)))
+
+    cfg = parse("--fbcache", "--fb_metric", "residual_tensor_rel_l1", "--fb_accumulate", "true",
+                "--forecast", "2", "--forecast_gate", "true", "--forecast_reach", "1.5")
+    assert cfg.forecast_gate and cfg.forecast_reach == 1.5 and cfg.fbcache.accumulate
+    with pytest.raises(ConfigError, match="--forecast_gate"):
+        parse("--fbcache", "--forecast_gate", "true")
+    with pytest.raises(ConfigError, match="--forecast_reach"):
+        parse("--fbcache", "--forecast_reach", "-2")
