@@ -45,6 +45,7 @@ ROWS = [
     ("a14b-v6e8-replicated", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8 "
                              "--weight_sharding replicated"),
     ("a14b-v5e8", "--model wan2.2-i2v-a14b --topology v5e:2x4 --sp_size 8"),
+    ("a14b-v5e16-cfg", "--model wan2.2-i2v-a14b --topology v5e:4x4 --sp_size 8 --cfg_parallel"),
     ("a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1 --sp_size 4"),
 ]
 CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
@@ -80,7 +81,7 @@ def row_line(name: str, args: str, r: dict) -> str:
     verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
     return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB) "
-            f"| {r['sp']} | {weights} | {verdict} | {m['total'] / GiB:.1f} "
+            f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} | {m['total'] / GiB:.1f} "
             f"({m['weights'] / GiB:.1f} weights) | {r['compile_seconds']:.0f} | {flops_step:.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
             f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) |")
