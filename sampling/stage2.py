@@ -194,6 +194,12 @@ def _check_flags(args) -> None:
     if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
         raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
                          "(the parallel stages run eagerly)")
+    if args.weight_sharding is not None and args.backend != "jax":
+        raise UsageError("--weight_sharding places the JAX backend's weights; the torch backend "
+                         "keeps them whole on every rank")
+    if args.weight_sharding == "fsdp" and args.sp_size == 1 and not args.cfg_parallel:
+        raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
+                         "devices; give --sp_size > 1 or --cfg_parallel")
     for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} '': expected a path")
@@ -269,12 +275,6 @@ def resolve(args) -> dict:
             raise UsageError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot "
                              f"run with --cfg_mode {args.cfg_mode}")
         config = dataclasses.replace(config, cfg_mode="fused")
-    if args.weight_sharding is not None and args.backend != "jax":
-        raise UsageError("--weight_sharding places the JAX backend's weights; the torch backend "
-                         "keeps them whole on every rank")
-    if args.weight_sharding == "fsdp" and args.sp_size == 1 and not args.cfg_parallel:
-        raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
-                         "devices; give --sp_size > 1 or --cfg_parallel")
     if pipe.task == "s2v" and args.backend == "torch" and (args.sp_size > 1 or args.cfg_parallel):
         # each rank holds a shard of the tokens, and the audio injection regroups all the noisy
         # tokens by frame; the JAX backend's global-view programs run it (--backend jax)

@@ -103,6 +103,17 @@ def test_stage2_refuses_each_numeric_flag_it_cannot_use(tmp_path, monkeypatch, c
     assert listing(tmp_path) == []
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--weight_sharding", "fsdp"], "give --sp_size > 1 or --cfg_parallel"),
+    (["--backend", "torch", "--weight_sharding", "replicated"], "the torch backend keeps them whole"),
+])
+def test_stage2_refuses_a_weight_sharding_it_cannot_apply(tmp_path, monkeypatch, capsys, argv,
+                                                         message):
+    monkeypatch.chdir(tmp_path)
+    refused(stage2.main, [*argv, "--compile_cache_dir", "none"], capsys, "--weight_sharding", message)
+    assert listing(tmp_path) == []
+
+
 def test_the_main_command_with_zero_steps_exits_2_and_writes_nothing(tmp_path):
     """The acceptance line of issue 16, as a new user runs it in a fresh folder."""
     out = subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
