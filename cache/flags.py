@@ -223,16 +223,28 @@ def _given(**kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-def config_from_args(args: argparse.Namespace) -> CMConfig:
-    """Build the CMConfig the flags describe; ConfigError names the offending flag."""
+def config_from_args(args: argparse.Namespace, fields: dict | None = None) -> CMConfig:
+    """Build the CMConfig the flags describe; ConfigError names the offending flag. `fields`, a
+    partial CMConfig in the presets' format (budgeted mode's choice), stands where a preset
+    would: explicit flags override it field by field."""
     try:
-        return _config_from_args(args)
+        return _config_from_args(args, fields)
     except ConfigError as exc:
         raise _as_flag_error(exc, args) from None
 
 
-def _config_from_args(args: argparse.Namespace) -> CMConfig:
-    preset = load_preset(args.preset) if getattr(args, "preset", None) else {}
+def config_from_fields(fields: dict) -> CMConfig:
+    """The CMConfig of a partial configuration in the presets' format, with no flags given."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_cache_arguments(parser)
+    return _config_from_args(parser.parse_args([]), fields)
+
+
+def _config_from_args(args: argparse.Namespace, fields: dict | None = None) -> CMConfig:
+    if fields is not None:
+        preset = fields
+    else:
+        preset = load_preset(args.preset) if getattr(args, "preset", None) else {}
     cache_type = args.cache_type or ("deepcache" if args.enable_cache and not preset else None)
     if args.cache_type is not None and not args.enable_cache:
         raise ConfigError("--cache_type needs --enable_cache")
@@ -265,7 +277,8 @@ def _config_from_args(args: argparse.Namespace) -> CMConfig:
     top = {k: v for k, v in preset.items() if k not in (*TECHNIQUE_KEYS, "limits")}
     unknown = sorted(set(top) - {f.name for f in dataclasses.fields(CMConfig)})
     if unknown:
-        raise ConfigError(f"preset {args.preset!r} sets unknown fields {unknown}")
+        source = f"preset {args.preset!r}" if fields is None else "the configuration"
+        raise ConfigError(f"{source} sets unknown fields {unknown}")
     return CMConfig(
         **techniques,
         limits=LimitsConfig(**limit_values),

@@ -7,6 +7,13 @@ loads (one fit per expert for Wan2.2 I2V-A14B, and one over all calls).
 Each sample is an uncached run (threshold 0: nothing is skipped) on its own seed; every model call
 gives a pair (signature change, output change), the output change being
 mean |out_t - out_{t-1}| / mean |out_{t-1}| of the same branch. The fit is numpy.polyfit.
+
+With --budget it also runs every configuration budgeted mode chooses from (sampling/budget.py)
+on the samples and stores their errors and computed fractions in the same profile:
+
+    python -m sampling.calibrate --model wan-tiny-ti2v --samples 3 --budget --out profile.json
+    python stage2_transformer_flax_deepcache.py --model wan-tiny-ti2v \
+        --budget_profile profile.json --budget_rel_err 5e-3 --compare
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from modules import ops
 from modules.checkpoint import CheckpointError
 from modules.layers import ModelConfigError
 
+from . import budget
 from .cli import UsageError, as_int, command
 from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from .run import make_sample, sample_once
@@ -65,31 +73,52 @@ def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solv
     return pairs
 
 
-def sweep(backend, pipe, tensors_by_seed, latent_shape, profile_path, *, signal, steps, solver,
-          shift, thresholds):
-    """[[threshold, mean final-latent rel L2 vs uncached, mean computed fraction]] with the
-    fitted profile, on the calibration samples: the curve budgeted mode reads."""
+def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
+                  space, log=None):
+    """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
+    the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
+    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
+    from cache.flags import config_from_fields
+
     from .fidelity import fidelity
 
-    def once(tensors, seed, config):
+    backends = {}
+    blocks = pipe.config.num_layers
+
+    def once(config, seed, tensors):
+        plan = SignalPlan.from_config(config)
+        if plan not in backends:  # one backend (one set of programs) per probe/tail/signal plan
+            backends[plan] = make_backend(plan)
+        backend = backends[plan]
         sample = make_sample(backend, pipe, tensors, latent_shape, image=pipe.task == "i2v",
                              seed=seed)
         traj = sample_once(backend, config, sample, solver=solver, steps=steps, shift=shift)
-        computed = sum(r["action"] == "compute" for r in traj.gate.telemetry.trace)
-        return backend.get(traj.latents), computed / len(traj.gate.telemetry.trace)
+        rows = traj.gate.telemetry.trace
+        reuse = plan.fn_blocks + plan.reuse_tail_blocks
+        ran = sum(blocks if r["action"] == "compute" else reuse for r in rows)
+        return backend.get(traj.latents), ran / (blocks * len(rows))
 
-    refs = {seed: once(t, seed, CMConfig(teacache=TeaCacheConfig(threshold=0.0, signal=signal)))[0]
-            for seed, t in tensors_by_seed.items()}
-    curve = []
-    for threshold in thresholds:
-        config = CMConfig(teacache=TeaCacheConfig(threshold=float(threshold),
-                                                  policy=f"poly:{profile_path}"))
-        runs = [once(t, seed, config) for seed, t in tensors_by_seed.items()]
-        errors = [fidelity(latents, refs[seed])["rel_l2"]
-                  for (latents, _), seed in zip(runs, tensors_by_seed, strict=True)]
-        curve.append([float(threshold), float(np.mean(errors)),
-                      float(np.mean([f for _, f in runs]))])
-    return curve
+    refs = {seed: once(CMConfig(), seed, t)[0] for seed, t in tensors_by_seed.items()}
+    out = []
+    for label, fields in space:
+        config = config_from_fields(fields)
+        errors, fractions = [], []
+        for seed, tensors in tensors_by_seed.items():
+            latents, fraction = once(config, seed, tensors)
+            errors.append(float(fidelity(latents, refs[seed])["rel_l2"]))
+            fractions.append(float(fraction))
+        out.append({"label": label, "config": fields, "rel_l2": errors, "computed": fractions})
+        if log is not None:
+            log(f"  {label}: rel L2 {' '.join(f'{e:.2e}' for e in errors)}, computed "
+                f"{' '.join(f'{f:.3f}' for f in fractions)}")
+    return out
+
+
+def budget_block(candidates, *, pipe_name, seeds, steps, solver, shift) -> dict:
+    """The profile's "budget" entry: what was measured and the margin learned from it."""
+    return {"format": budget.FORMAT, "model": pipe_name, "seeds": list(seeds), "steps": steps,
+            "solver": solver, "shift": shift, "pooled_log_spread": budget.pooled_spread(candidates),
+            "candidates": candidates}
 
 
 def fit(pairs, degree: int) -> dict:
@@ -127,9 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--degree", type=int, default=4)
     ap.add_argument("--backend", choices=("jax", "torch"), default="torch")
     ap.add_argument("--out", required=True, help="profile JSON to write")
-    ap.add_argument("--sweep", type=int, default=0, metavar="N",
-                    help="also measure N thresholds (final-latent error and computed fraction "
-                         "against uncached) for budgeted mode (--budget_rel_err/--budget_speedup)")
+    ap.add_argument("--first_seed", type=int, default=0,
+                    help="the samples' seeds are first_seed, first_seed + 1, ... (keep them apart "
+                         "from the seeds the budget will be used on)")
+    ap.add_argument("--budget", action="store_true",
+                    help="also run every configuration budgeted mode chooses from on the samples "
+                         "(final-latent error and computed fraction against uncached), for "
+                         "--budget_profile with --budget_rel_err/--budget_speedup; needs "
+                         "--samples >= 2 (the margin is learned from their spread)")
     return ap
 
 
@@ -145,11 +179,14 @@ def resolve(args) -> dict:
         raise UsageError(f"--degree {degree}: a fit of degree {degree} needs more than {degree} "
                          f"points, and --samples {samples} x {steps - 1} changes give "
                          f"{samples * (steps - 1)}; expected a lower degree or more samples/steps")
-    as_int("--sweep", args.sweep, minimum=0)
+    first_seed = as_int("--first_seed", args.first_seed, minimum=0, maximum=2 ** 63 - samples)
+    if args.budget and samples < 2:
+        raise UsageError(f"--budget learns its safety margin from the spread between samples; "
+                         f"--samples {samples}: expected 2 or more")
     if args.model_path == "":
         raise UsageError("--model_path '': expected a path")
     check_writable_file("--out", args.out)
-    return dict(pipe=pipe, samples=samples, steps=steps, degree=degree)
+    return dict(pipe=pipe, samples=samples, steps=steps, degree=degree, first_seed=first_seed)
 
 
 def run(args) -> dict:
@@ -166,8 +203,8 @@ def run(args) -> dict:
         from tpu.backend import JaxBackend
         backend = JaxBackend(models, plan)
     shape = pipe.latent_shape(*pipe.size)
-    tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
-               for seed in range(r["samples"])}
+    seeds = range(r["first_seed"], r["first_seed"] + r["samples"])
+    tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
     pairs = collect(backend, pipe, tensors, shape, signal=args.teacache_signal, steps=steps,
                     solver=pipe.solver, shift=pipe.shift)
     result = fit(pairs, r["degree"])
@@ -178,15 +215,22 @@ def run(args) -> dict:
         **result,
     }
     _write(args.out, profile)
-    if args.sweep:
-        thresholds = np.geomspace(0.01, 2.0, args.sweep)
-        profile["budget_curve"] = sweep(backend, pipe, tensors, shape, args.out,
-                                        signal=args.teacache_signal, steps=steps,
-                                        solver=pipe.solver, shift=pipe.shift, thresholds=thresholds)
-        profile["budget_steps"] = steps
+    if args.budget:
+        def make_backend(plan):
+            if args.backend == "torch":
+                from torch_backend.backend import TorchBackend
+                return TorchBackend(models, plan)
+            from tpu.backend import JaxBackend
+            return JaxBackend(models, plan)
+
+        candidates = measure_space(make_backend, pipe, tensors, shape, steps=steps,
+                                   solver=pipe.solver, shift=pipe.shift, space=budget.SPACE,
+                                   log=lambda line: print(line, flush=True))
+        profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
+                                         steps=steps, solver=pipe.solver, shift=pipe.shift)
         _write(args.out, profile)
     return {"calls": len(pairs), "result": result, "out": args.out,
-            "budget_curve": profile.get("budget_curve", [])}
+            "budget": profile.get("budget")}
 
 
 def format_summary(report: dict) -> str:
@@ -194,8 +238,14 @@ def format_summary(report: dict) -> str:
     lines = [f"{report['calls']} calls; fit R^2 {result['r2']:.3f}"
              + "".join(f", {e} {r:.3f}" for e, r in result["experts_r2"].items())
              + f"; wrote {report['out']}"]
-    for threshold, error, fraction in report["budget_curve"]:
-        lines.append(f"  threshold {threshold:.4f}: rel L2 {error:.2e}, computed {fraction:.2f}")
+    b = report.get("budget")
+    if b:
+        lines.append(f"budget: {len(b['candidates'])} configurations on {len(b['seeds'])} draws "
+                     f"(seeds {b['seeds'][0]}..{b['seeds'][-1]}), pooled spread of log errors "
+                     f"{b['pooled_log_spread']:.2f}; bound for an unseen draw (95%):")
+        for c, bound in zip(b["candidates"], budget.bounds(b["candidates"]), strict=True):
+            lines.append(f"  {c['label']}: rel L2 <= {bound:.2e}, computed "
+                         f"{sum(c['computed']) / len(c['computed']):.3f}")
     return "\n".join(lines)
 
 

@@ -25,7 +25,9 @@ from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
 from modules.registry import build_model
 
-from .budget import BudgetError, load_curve, threshold_for
+from .budget import BudgetError
+from .budget import choose as budget_choose
+from .budget import load as budget_load
 from .cli import UsageError, as_int, as_number, command
 from .clips import sample_clips
 from .fidelity import fidelity
@@ -113,10 +115,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="JAX on a mesh: fsdp splits the block weights over the devices, each block "
                         "gathering its own as it runs; replicated keeps every weight on every "
                         "device (default: fsdp when sp_size x cfg > 1)")
-    g = parser.add_argument_group("budgeted mode (needs --teacache_policy poly:<calibrated profile>)")
+    g = parser.add_argument_group("budgeted mode (a target instead of a technique and threshold)")
+    g.add_argument("--budget_profile", help="profile written by `python -m sampling.calibrate "
+                   "--budget` for this model and step count")
     g.add_argument("--budget_rel_err", type=float, help="final-latent relative L2 error to stay "
-                   "within (picks the TeaCache threshold from the profile's sweep)")
-    g.add_argument("--budget_speedup", type=float, help="computed-call reduction to reach")
+                   "within: the configuration computing the least whose calibrated error bound "
+                   "is within it")
+    g.add_argument("--budget_speedup", type=float, help="block-evaluation reduction to reach: the "
+                   "configuration with the least error bound among those that reach it")
     g = parser.add_argument_group("reporting")
     g.add_argument("--telemetry_json", help="write the summary and per-call decision trace here")
     g.add_argument("--telemetry_csv", help="write the per-call decision trace here as CSV")
@@ -189,6 +195,20 @@ def _check_flags(args) -> None:
                   expected="a finite number >= 1 (computed calls divided by this)")
     if args.budget_rel_err is not None and args.budget_speedup is not None:
         raise UsageError("--budget_rel_err and --budget_speedup are alternatives; give one")
+    targeted = args.budget_rel_err is not None or args.budget_speedup is not None
+    if targeted != (args.budget_profile is not None):
+        raise UsageError("--budget_rel_err/--budget_speedup and --budget_profile go together: "
+                         "the profile holds the calibration the target is met from"
+                         if targeted else "--budget_profile needs a target: --budget_rel_err "
+                         "or --budget_speedup")
+    if targeted:
+        chosen_by = [flag for flag, on in (
+            ("--preset", args.preset), ("--enable_cache", args.enable_cache),
+            ("--teacache", args.teacache), ("--fbcache", args.fbcache),
+            ("--deepcache", args.deepcache)) if on]
+        if chosen_by:
+            raise UsageError(f"budgeted mode chooses the technique; drop {', '.join(chosen_by)} "
+                             "(or drop the budget)")
     if args.backend != "torch" and (args.torch_compile or args.offload_model or args.device):
         raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
     if args.backend == "torch" and args.torch_compile and (args.sp_size > 1 or args.cfg_parallel):
@@ -200,7 +220,7 @@ def _check_flags(args) -> None:
     if args.weight_sharding == "fsdp" and args.sp_size == 1 and not args.cfg_parallel:
         raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
                          "devices; give --sp_size > 1 or --cfg_parallel")
-    for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir"):
+    for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir", "budget_profile"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} '': expected a path")
 
@@ -237,6 +257,30 @@ def _check_blocks(config: CMConfig, pipe, args) -> None:
                          f"{pipe.name} model's {blocks} blocks; expected fn + bn <= {blocks}")
 
 
+def _budgeted(args, pipe) -> tuple[CMConfig, dict]:
+    """The configuration budgeted mode picks from the profile for the target (uncached when
+    nothing calibrated promises it), and what it promised."""
+    try:
+        calibrated = budget_load(args.budget_profile)
+        choice = budget_choose(calibrated, rel_err=args.budget_rel_err,
+                               speedup=args.budget_speedup)
+    except BudgetError as exc:
+        raise UsageError(str(exc)) from None
+    if calibrated["model"] != pipe.name:
+        raise UsageError(f"--budget_profile {args.budget_profile} was calibrated for "
+                         f"{calibrated['model']}; this run is {pipe.name}: calibrate it for "
+                         f"{pipe.name}")
+    config = config_from_args(args, choice.fields if choice is not None else {})
+    return config, {
+        "rel_err": args.budget_rel_err, "speedup": args.budget_speedup,
+        "choice": None if choice is None else choice.label,
+        "config": None if choice is None else choice.fields,
+        "bound_rel_err": None if choice is None else choice.bound,
+        "predicted_computed_fraction": None if choice is None else choice.computed,
+        "calibrated_steps": calibrated["steps"],
+        "calibrated_seeds": calibrated["seeds"]}
+
+
 def resolve(args) -> dict:
     """Everything the run needs, checked, before any model or device work."""
     _check_flags(args)
@@ -252,21 +296,8 @@ def resolve(args) -> dict:
         raise UsageError(f"unknown model {name!r}" + ("" if args.model else " (from the input "
                          "config)") + f"; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
-    config = config_from_args(args)
-    budget = None
-    if args.budget_rel_err is not None or args.budget_speedup is not None:
-        policy = config.teacache.policy if config.teacache is not None else ""
-        if not policy.startswith("poly:") or not policy.endswith(".json"):
-            raise UsageError("--budget_rel_err/--budget_speedup need --teacache --teacache_policy "
-                             "poly:<profile.json> calibrated with --sweep")
-        curve, budget_steps = load_curve(policy[5:])
-        threshold, err, fraction = threshold_for(curve, rel_err=args.budget_rel_err,
-                                                 speedup=args.budget_speedup)
-        config = dataclasses.replace(config, teacache=dataclasses.replace(config.teacache,
-                                                                          threshold=threshold))
-        budget = {"rel_err": args.budget_rel_err, "speedup": args.budget_speedup,
-                  "threshold": threshold, "predicted_rel_err": err,
-                  "predicted_computed_fraction": fraction, "calibrated_steps": budget_steps}
+    config, budget = _budgeted(args, pipe) if args.budget_profile else (config_from_args(args),
+                                                                      None)
     if args.offload_model and args.cache_offload is None:
         # Seed 000: with the model offloaded, residuals wait on the host and move on use.
         config = dataclasses.replace(config, offload="cpu")
@@ -286,6 +317,11 @@ def resolve(args) -> dict:
     steps = as_int(label, value, minimum=1)
     shift = as_number("--sample_shift", args.sample_shift if args.sample_shift is not None
                       else pipe.shift, above=0.0, expected="a finite number > 0 (1.0 = no shift)")
+    if budget is not None and budget["calibrated_steps"] != steps:
+        raise UsageError(f"--budget_profile {args.budget_profile} was calibrated at "
+                         f"{budget['calibrated_steps']} steps and the error a schedule makes "
+                         f"depends on it; this run has {steps}: run at "
+                         f"{budget['calibrated_steps']} or calibrate at {steps}")
     if args.model_path is None and not pipe.name.endswith(("tiny", "tiny-ti2v", "tiny-i2v",
                                                            "tiny-meanflow", "tiny-s2v")):
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
@@ -691,11 +727,16 @@ def format_summary(report: dict) -> str:
                  f"schedule ideal {s['schedule_ideal']:.2f}x (blocks run)")
     if report.get("budget"):
         b = report["budget"]
-        target = (f"rel L2 <= {b['rel_err']}" if b["rel_err"] is not None
-                  else f"speedup {b['speedup']}x")
-        lines.append(f"budget: {target} -> TeaCache threshold {b['threshold']:.4f} (calibration "
-                     f"predicts rel L2 {b['predicted_rel_err']:.2e}, computed "
-                     f"{b['predicted_computed_fraction']:.2f}); --compare measures it")
+        target = (f"rel L2 <= {b['rel_err']:g}" if b["rel_err"] is not None
+                  else f"speedup {b['speedup']:g}x")
+        if b["choice"] is None:
+            lines.append(f"budget: {target} -> no calibrated configuration promises it; "
+                         "uncached")
+        else:
+            lines.append(f"budget: {target} -> {b['choice']} (calibration: rel L2 <= "
+                         f"{b['bound_rel_err']:.2e} on an unseen draw, computed "
+                         f"{b['predicted_computed_fraction']:.3f} of the blocks); --compare "
+                         "measures it")
     if "compare" in report:
         cmp = report["compare"]
         lines.append(f"compare: uncached loop {cmp['uncached_loop_seconds']:.2f} s -> speedup "

@@ -64,31 +64,114 @@ def test_a_bad_profile_file_is_a_config_error(tmp_path):
         TeaCacheConfig(policy=f"poly:{tmp_path / 'missing.json'}")
 
 
-@pytest.mark.parametrize("model", ["hunyuanvideo-tiny", "wan-tiny-ti2v"])
-def test_budgeted_mode_meets_a_relative_error_budget_within_20_percent(tmp_path, model):
-    from sampling.stage2 import build_parser, run
-    path = tmp_path / "profile.json"
-    assert calibrate.main(["--model", model, "--samples", "1", "--num_inference_steps", "16",
-                           "--sweep", "8", "--out", str(path)]) == 0
-    curve = json.loads(path.read_text())["budget_curve"]
-    errors = [e for _, e, _ in curve if e > 0]
-    assert errors, "the sweep never skipped"
-    budget = errors[len(errors) // 2] * 1.1  # a budget between two measured points
-    args = build_parser().parse_args([
-        "--model", model, "--backend", "torch", "--teacache", "--teacache_policy", f"poly:{path}",
-        "--budget_rel_err", str(budget), "--compare", "--seed", "0", "--num_inference_steps",
-        "16", "--output_dir", str(tmp_path / "out"), "--no_progress"])
-    report = run(args)
-    achieved = report["compare"]["rel_l2"]
-    assert 0.8 * budget <= achieved <= 1.2 * budget, (budget, achieved, curve)
-    assert report["budget"]["threshold"] > 0 and report["time"]["cached_steps"] > 0
+# --- budgeted mode -------------------------------------------------------------------------------
+
+def candidate(label, errors, computed):
+    return {"label": label, "config": {"fbcache": {"threshold": 0.1}}, "rel_l2": errors,
+            "computed": computed}
 
 
-def test_budget_requests_are_checked():
-    from sampling.budget import BudgetError, threshold_for
-    curve = [[0.01, 0.0, 1.0], [0.1, 0.01, 0.5], [1.0, 0.05, 0.2]]
-    assert threshold_for(curve, rel_err=0.02) == (0.1, 0.01, 0.5)
-    assert threshold_for(curve, rel_err=0.001) == (0.01, 0.0, 1.0)
-    assert threshold_for(curve, speedup=2.0) == (0.1, 0.01, 0.5)
+def test_the_bound_is_a_t_prediction_bound_on_log_errors_with_the_pooled_spread_as_a_floor():
+    import math
+
+    from sampling.budget import bounds, pooled_spread
+    steady = candidate("steady", [1e-3, 1.1e-3, 1.2e-3], [0.5] * 3)
+    jumpy = candidate("jumpy", [1e-3, 4e-3, 2e-3], [0.3] * 3)
+    never = candidate("never reuses", [0.0, 0.0, 0.0], [1.0] * 3)
+    logs = {k: [math.log(e) for e in c["rel_l2"]] for k, c in (("s", steady), ("j", jumpy))}
+    sd = {k: float(np.std(v, ddof=1)) for k, v in logs.items()}
+    pooled = math.sqrt((sd["s"] ** 2 + sd["j"] ** 2) / 2)  # "never" says nothing of the spread
+    assert pooled_spread([steady, jumpy, never]) == pytest.approx(pooled)
+    factor = 2.920 * math.sqrt(1 + 1 / 3)  # t(0.95, 2 dof), one more draw
+    got = bounds([steady, jumpy, never])
+    # steady agrees with itself, so it takes the pooled spread; jumpy its own, larger one
+    assert got[0] == pytest.approx(math.exp(np.mean(logs["s"]) + factor * pooled))
+    assert got[1] == pytest.approx(math.exp(np.mean(logs["j"]) + factor * sd["j"]))
+    assert got[2] == 0.0
+    # alone, steady's own spread sets its bound, never below the worst error it showed
+    alone = bounds([steady])[0]
+    assert alone == pytest.approx(math.exp(np.mean(logs["s"]) + factor * sd["s"]))
+    assert alone >= 1.2e-3
+    # two draws: t(0.95, 1 dof) is 6.31, so the same spread promises much less
+    two = candidate("two", [1e-3, 1.2e-3], [0.5] * 2)
+    two_logs = [math.log(1e-3), math.log(1.2e-3)]
+    assert bounds([two])[0] == pytest.approx(math.exp(
+        np.mean(two_logs) + 6.314 * np.std(two_logs, ddof=1) * math.sqrt(1.5)))
+    assert bounds([two])[0] > 1.8 * alone
+
+
+def test_choose_takes_the_cheapest_configuration_whose_bound_keeps_the_budget():
+    from sampling.budget import BudgetError, choose
+    from sampling.budget import bounds
+    budget = {"candidates": [
+        candidate("careful", [1e-3, 1.1e-3, 1.2e-3], [0.6, 0.6, 0.6]),
+        candidate("cheap", [4e-3, 5e-3, 4.5e-3], [0.3, 0.35, 0.3]),
+        candidate("cheaper", [2e-2, 1e-2, 1.5e-2], [0.2, 0.2, 0.2]),
+        candidate("broken", [float("nan"), 1e-3, 1e-3], [0.1, 0.1, 0.1])]}
+    careful, cheap, cheaper = bounds(budget["candidates"][:3])
+    assert careful < cheap < cheaper
+    assert choose(budget, rel_err=cheap * 1.01).label == "cheap"
+    chosen = choose(budget, rel_err=cheap * 0.99)
+    assert (chosen.label, chosen.bound, chosen.computed) == ("careful", careful, 0.6)
+    assert choose(budget, rel_err=careful * 0.99) is None  # nothing promises it: uncached
+    # a speedup: the least bound among those computing at most 1/s on every draw
+    assert choose(budget, speedup=1.5).label == "careful"
+    assert choose(budget, speedup=2.5).label == "cheap"
+    assert choose(budget, speedup=3.0).label == "cheaper"  # cheap computed 0.35 > 1/3 on a draw
+    assert choose(budget, speedup=4.0).label == "cheaper"
+    assert choose(budget, speedup=20.0) is None
     with pytest.raises(BudgetError, match="one target"):
-        threshold_for(curve, rel_err=0.1, speedup=2.0)
+        choose(budget, rel_err=0.1, speedup=2.0)
+
+
+def test_a_budget_profile_it_cannot_use_is_refused(tmp_path):
+    from sampling.budget import BudgetError, load
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"budget_curve": [[0.1, 1e-3, 0.5]]}))
+    with pytest.raises(BudgetError, match="older TeaCache-only threshold curve, calibrate again"):
+        load(str(old))
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"budget": {"format": 2, "seeds": [1], "margin": 1.0, "candidates": [
+        candidate("x", [1e-3], [0.5])]}}))
+    with pytest.raises(BudgetError, match="at least 2 draws"):
+        load(str(one))
+    with pytest.raises(BudgetError, match="cannot read it"):
+        load(str(tmp_path / "missing.json"))
+
+
+SMALL_SPACE = (  # three configurations of the shipped space, so the test stays short
+    ("FBCache +forecast2 gated 0.3", {"fbcache": {"threshold": 0.3, "metric": "residual_tensor_rel_l1",
+                                                 "accumulate": True}, "forecast": 2,
+                                      "forecast_gate": True}),
+    ("FBCache 0.2", {"fbcache": {"threshold": 0.2, "metric": "residual_tensor_rel_l1"}}),
+    ("TeaCache relative 3", {"teacache": {"threshold": 3.0, "relative": True}}),
+)
+
+
+@pytest.mark.parametrize("model", ["hunyuanvideo-tiny", "wan-tiny-ti2v"])
+def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_path, monkeypatch,
+                                                                          model):
+    from sampling import budget
+    from sampling.stage2 import build_parser, run
+    monkeypatch.setattr(budget, "SPACE", SMALL_SPACE)
+    path = tmp_path / "profile.json"
+    assert calibrate.main(["--model", model, "--samples", "2", "--first_seed", "1",
+                           "--num_inference_steps", "12", "--budget", "--out", str(path)]) == 0
+    measured = json.loads(path.read_text())["budget"]
+    assert measured["seeds"] == [1, 2] and measured["steps"] == 12 and measured["model"] == model
+    assert [c["label"] for c in measured["candidates"]] == [label for label, _ in SMALL_SPACE]
+    assert measured["pooled_log_spread"] == pytest.approx(budget.pooled_spread(
+        measured["candidates"]))
+    bounds = sorted(b for b in budget.bounds(measured["candidates"]) if b > 0)
+    assert bounds, "no configuration ever reused"
+    target = bounds[-1] * 1.01  # every configuration that reuses promises it: the cheapest wins
+    expected = budget.choose(measured, rel_err=target)
+    args = build_parser().parse_args([
+        "--model", model, "--backend", "torch", "--budget_profile", str(path),
+        "--budget_rel_err", str(target), "--compare", "--seed", "0", "--num_inference_steps",
+        "12", "--output_dir", str(tmp_path / "out"), "--no_progress"])
+    report = run(args)
+    assert report["budget"]["choice"] == expected.label
+    assert report["budget"]["bound_rel_err"] == pytest.approx(expected.bound)
+    assert report["time"]["cached_steps"] > 0
+    assert report["compare"]["rel_l2"] <= target  # seed 0 was not a calibration draw

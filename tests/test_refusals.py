@@ -7,6 +7,7 @@ Commands run in this process (their main) where they stop before sampling: fast,
 backend and loop are never reached."""
 
 import errno
+import json
 import os
 import re
 import socket
@@ -112,6 +113,48 @@ def test_stage2_refuses_a_weight_sharding_it_cannot_apply(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     refused(stage2.main, [*argv, "--compile_cache_dir", "none"], capsys, "--weight_sharding", message)
     assert listing(tmp_path) == []
+
+
+def _budget_profile(path, model="wan-tiny-ti2v", steps=20):
+    fb = {"fbcache": {"threshold": 0.1, "metric": "residual_tensor_rel_l1"}}
+    path.write_text(json.dumps({"budget": {
+        "format": 2, "model": model, "seeds": [1, 2, 3], "steps": steps, "candidates": [
+            {"label": "FBCache 0.1", "config": fb, "rel_l2": [1e-3, 1.2e-3, 1.1e-3],
+             "computed": [0.5, 0.5, 0.5]}]}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no profile", "--budget_rel_err/--budget_speedup and --budget_profile go together"),
+    ("no target", "--budget_profile needs a target"),
+    ("technique", "budgeted mode chooses the technique; drop --fbcache"),
+    ("other model", "was calibrated for hunyuanvideo-tiny; this run is wan-tiny-ti2v"),
+    ("other steps", "was calibrated at 20 steps"),
+    ("old profile", "holds the older TeaCache-only threshold curve, calibrate again"),
+    ("missing", "cannot read it"),
+])
+def test_stage2_refuses_a_budget_it_cannot_keep(tmp_path, monkeypatch, capsys, case, message):
+    monkeypatch.chdir(tmp_path)
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    good = _budget_profile(profiles / "good.json")
+    old = profiles / "old.json"
+    old.write_text(json.dumps({"budget_curve": [[0.1, 1e-3, 0.5]]}))
+    argv = {"no profile": ["--budget_rel_err", "0.01"],
+            "no target": ["--budget_profile", good],
+            "technique": ["--budget_profile", good, "--budget_rel_err", "0.01", "--fbcache"],
+            "other model": ["--budget_profile", _budget_profile(profiles / "hy.json",
+                                                                "hunyuanvideo-tiny"),
+                            "--budget_rel_err", "0.01"],
+            "other steps": ["--budget_profile", good, "--budget_rel_err", "0.01",
+                            "--num_inference_steps", "12"],
+            "old profile": ["--budget_profile", str(old), "--budget_rel_err", "0.01"],
+            "missing": ["--budget_profile", str(profiles / "none.json"), "--budget_rel_err",
+                        "0.01"]}[case]
+    before = snapshot(tmp_path)
+    refused(stage2.main, ["--model", "wan-tiny-ti2v", *argv, "--compile_cache_dir", "none"],
+            capsys, message)
+    assert snapshot(tmp_path) == before
 
 
 def test_the_main_command_with_zero_steps_exits_2_and_writes_nothing(tmp_path):
@@ -323,7 +366,8 @@ def test_stage3_grid_must_be_positive(tmp_path, monkeypatch, capsys):
     (["--degree", "-1"], "--degree -1: expected an integer >= 0"),
     (["--samples", "1", "--num_inference_steps", "4", "--degree", "3"],
      "--degree 3: a fit of degree 3 needs more than 3 points"),
-    (["--sweep", "-2"], "--sweep -2: expected an integer >= 0"),
+    (["--first_seed", "-1"], "--first_seed -1: expected an integer"),
+    (["--budget", "--samples", "1"], "--samples 1: expected 2 or more"),
     (["--model_path", ""], "--model_path '': expected a path"),
 ])
 def test_calibrate_refuses_flags_it_cannot_use(tmp_path, capsys, argv, message):
