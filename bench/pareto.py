@@ -919,14 +919,17 @@ NOTES = """\
   spread above) and by more when other jobs load the machine, so the standing in time changes
   between runs wherever the computed-fraction lead is small. The computed fraction does not
   move.
+- Budgeted mode (issue 17): `--budget_rel_err` now chooses among every configuration we ship
+  (sampling/budget.py SPACE), calibrated on three draws it is never evaluated on, by a 95%
+  prediction bound for an unseen draw (log errors, Student's t, the spread pooled over all
+  configurations as a floor). The bound is conservative by design: the achieved error sits well
+  under the budget (the table's max column), so a budget buys less speed than the curve could
+  give on one lucky draw, and keeps on draws it never saw.
 - What would move us further (not yet measured): for Wan's cheap end, weighting each reused
-  step's forecast error by the scheduler's step size (the final error adds them up so); and a
-  budgeted mode that calibrates a forecasting configuration: today it calibrates plain TeaCache,
-  so it sits on plain TeaCache's curve (and TeaCache's modulated-input signal follows the output
-  less well on HunyuanVideo-1.5, see the fit R^2 above).
+  step's forecast error by the scheduler's step size (the final error adds them up so).
 - Caveats: random weights keep much of the initial noise, so PSNR is inflated (rel/disp does not
-  flatter); one prompt and one seed are evaluated (budgeted mode and MagCache calibrate on
-  another draw); the models are tiny (30 blocks, width 48 / 64, 320 / 400 tokens), so per-op
+  flatter); one prompt and one seed make each curve (MagCache calibrates on another draw,
+  budgeted mode on three others, and is checked on five); the models are tiny (30 blocks, width 48 / 64, 320 / 400 tokens), so per-op
   overhead dominates their time on a CPU.
 """
 
