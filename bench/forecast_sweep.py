@@ -58,6 +58,19 @@ VARIANTS = {
     "fa1l0": ("fa2l0 with a linear forecast",
               lambda th: CMConfig(fbcache=fb(th, True), forecast=1, forecast_gate=True,
                                   last_steps=0)),
+    "fs1": ("fa2l0 with each step's forecast error weighted by its step size over the mean "
+            "(--step_weight 1)",
+            lambda th: CMConfig(fbcache=fb(th, True), forecast=2, forecast_gate=True,
+                                last_steps=0, step_weight=1.0)),
+    "fs05": ("fs1 with the square root of that weight (--step_weight 0.5)",
+             lambda th: CMConfig(fbcache=fb(th, True), forecast=2, forecast_gate=True,
+                                 last_steps=0, step_weight=0.5)),
+    "fs1lin": ("fs1 with a linear forecast",
+               lambda th: CMConfig(fbcache=fb(th, True), forecast=1, forecast_gate=True,
+                                   last_steps=0, step_weight=1.0)),
+    "fs1l1": ("fs1 with the forced last compute (--cache_last_steps 1)",
+              lambda th: CMConfig(fbcache=fb(th, True), forecast=2, forecast_gate=True,
+                                  step_weight=1.0)),
 }
 
 

@@ -76,6 +76,13 @@ class CMConfig:
     # Order 2 only while the gap since the last compute is at most this many times the spacing of
     # the last two computes (longer gaps forecast linearly); None = always the highest order.
     forecast_reach: float | None = None
+    # Step-size weighting (issue 17): FBCache's metric of each call is multiplied by
+    # (|sigma_i - sigma_i+1| / mean step)^step_weight before the threshold (and the run's sum,
+    # with accumulate). An output error made on step i moves the latent by about the step's
+    # size, and with a shifted schedule late steps are ~20x the early ones, so an equal forecast
+    # error weighs far more late. Needs the schedule (CacheManager.set_schedule, which the
+    # sampling loop calls); without one every weight is 1. 0 = off.
+    step_weight: float = 0.0
     dry_run: bool = False  # decide and record, but always compute (calibration, seed 002)
     # Scene-change guard (seed 002): compute whenever the latent moved more than this relative L1
     # since the previous step (a cut, a new condition); 0 = off.
@@ -131,6 +138,11 @@ class CMConfig:
             raise ConfigError(f"CMConfig.forecast is the forecasting order 0, 1 or 2; got {self.forecast}")
         if self.forecast_reach is not None:
             check_float("CMConfig", "forecast_reach", self.forecast_reach)
+        check_float("CMConfig", "step_weight", self.step_weight)
+        if self.step_weight > 0 and self.fbcache is None:
+            raise ConfigError("CMConfig.step_weight weights FBCache's metric by the step size; "
+                              "it needs FBCache enabled", field="CMConfig.step_weight",
+                              value=self.step_weight, expected="0, or FBCache enabled")
         for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run", "forecast_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")

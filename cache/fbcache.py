@@ -96,8 +96,11 @@ def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
         rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
     if not is_finite(rel):
         return None, FBCacheState()
-    accum = rel if config.metric in TENSOR_METRICS and not config.accumulate else state.accum + rel
-    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, rel),
+    # CMConfig.step_weight: the step's size over the mean step (1 when off, x * 1.0 == x)
+    weighted = rel * getattr(ctx, "step_weight", 1.0)
+    accum = weighted if config.metric in TENSOR_METRICS and not config.accumulate \
+        else state.accum + weighted
+    return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, weighted),
             replace(state, accum=accum, ema_rel=rel))
 
 

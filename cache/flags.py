@@ -148,6 +148,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="forecast with order 2 only while the gap since the last compute is at "
                         "most this many times the spacing of the last two, else linearly "
                         + d(CMConfig, "forecast_reach"))
+    g.add_argument("--step_weight", type=float,
+                   help="weigh FBCache's metric of each step by (step size / mean step size) to "
+                        "this power, so a late (large) step's error counts more; 0 = off "
+                        + d(CMConfig, "step_weight"))
     g.add_argument("--scene_guard", "--teacache_scene_guard", dest="scene_guard", type=float,
                    help="compute when the latent's relative L1 change since the last step exceeds "
                         "this " + d(CMConfig, "scene_guard") + "; 0 = off")
@@ -185,6 +189,7 @@ FIELD_FLAGS = {
     "CMConfig.forecast": ("--forecast", "forecast"),
     "CMConfig.forecast_gate": ("--forecast_gate", "forecast_gate"),
     "CMConfig.forecast_reach": ("--forecast_reach", "forecast_reach"),
+    "CMConfig.step_weight": ("--step_weight", "step_weight"),
     "CMConfig.scene_guard": ("--scene_guard", "scene_guard"),
 }
 TECHNIQUE_CLASSES = {"deepcache": "DeepCacheConfig", "teacache": "TeaCacheConfig",
@@ -299,6 +304,7 @@ def _config_from_args(args: argparse.Namespace, fields: dict | None = None) -> C
             forecast=args.forecast,
             forecast_gate=args.forecast_gate,
             forecast_reach=args.forecast_reach,
+            step_weight=args.step_weight,
             scene_guard=args.scene_guard,
             bn_ids=args.bn_ids,
             ctrl_guard=args.ctrl_guard,

@@ -17,6 +17,7 @@ back to compute and is counted by reason.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
@@ -39,6 +40,7 @@ class Call:
     phase_step: int  # executed step within the current expert phase
     expert: str | None
     threshold_scale: float = 1.0  # noise-phase adaptivity: multiplies the thresholds
+    step_weight: float = 1.0  # CMConfig.step_weight: multiplies FBCache's metric of the call
 
 
 @dataclass
@@ -64,6 +66,7 @@ class CacheManager:
         self.ops = ops if ops is not None else NumpyOps()
         self.telemetry = Telemetry()
         self.num_steps: int | None = None
+        self._step_weights: tuple[float, ...] | None = None
         self.sp_world_size = 1
         self.run_id = 0
         self.reset()
@@ -75,7 +78,23 @@ class CacheManager:
         check_int("CacheManager.attach", "num_steps", num_steps, minimum=1)
         check_int("CacheManager.attach", "sp_world_size", sp_world_size, minimum=1)
         self.num_steps, self.sp_world_size = num_steps, sp_world_size
+        self._step_weights: tuple[float, ...] | None = None
         self.reset()
+
+    def set_schedule(self, sigmas) -> None:
+        """The run's noise levels (num_steps + 1 floats, sigmas[i] -> sigmas[i + 1] is step i),
+        read by CMConfig.step_weight: step i's weight is (|dsigma_i| / mean |dsigma|) ** p. Call
+        after attach; a schedule of another length, or none, leaves every weight at 1."""
+        self._step_weights = None
+        p = self.config.step_weight
+        sigmas = [float(s) for s in sigmas]
+        if not p or self.num_steps is None or len(sigmas) != self.num_steps + 1:
+            return
+        steps = [abs(a - b) for a, b in zip(sigmas, sigmas[1:], strict=False)]
+        mean = sum(steps) / len(steps)
+        if not (mean > 0 and all(map(math.isfinite, steps))):
+            return
+        self._step_weights = tuple((d / mean) ** p for d in steps)
 
     def reset(self) -> None:
         """Forget every residual, signature, accumulator and counter: a new run starts."""
@@ -113,8 +132,10 @@ class CacheManager:
             self._leader_rels, self._leader_decision = {}, None
         elif self._step < 0 or expert != self._expert:
             return
+        weights = self._step_weights
         self._call = Call(branch, self._step, self._step - self._phase_start, expert,
-                          noise_adapt.factor(cfg.noise_adapt, self._step, self.num_steps))
+                          noise_adapt.factor(cfg.noise_adapt, self._step, self.num_steps),
+                          weights[self._step] if weights is not None else 1.0)
 
     # ---- decisions -------------------------------------------------------------------------
 

@@ -120,3 +120,95 @@ def test_flags_map_onto_the_forecast_gate():
         parse("--fbcache", "--forecast_gate", "true")
     with pytest.raises(ConfigError, match="--forecast_reach"):
         parse("--fbcache", "--forecast_reach", "-2")
+
+
+# --- step-size weighting (CMConfig.step_weight) -----------------------------------------------
+
+# 6 steps whose sizes are .05 .05 .1 .1 .2 .5 (mean 1/6): weights .3 .3 .6 .6 1.2 3.0 at p = 1
+SIGMAS = [1.0, 0.95, 0.9, 0.8, 0.7, 0.5, 0.0]
+FLAT = [None] + [0.1] * 5  # the tensor metric's value of each step (none at step 0)
+
+
+def weighted_gate(step_weight, sigmas=SIGMAS, steps=6):
+    g = CacheManager(CMConfig(fbcache=tensor_fb(0.2, accumulate=True), last_steps=0,
+                              step_weight=step_weight))
+    g.attach(steps)
+    if sigmas is not None:
+        g.set_schedule(sigmas)
+    return g
+
+
+def test_step_weight_scales_each_steps_metric_by_its_step_size():
+    """Unweighted, .1 a step reaches .2 every second step: C S C S C S. Weighted by the step
+    size over the mean, steps 1-3 add .03 .06 .06 (reuse, the sum .15), step 4 adds .12 (.27:
+    compute) and step 5's .3 alone passes .2: C S S S C C."""
+    plain = weighted_gate(0.0)
+    assert run(plain, [Signals(fbcache=r) for r in FLAT]) == {"cond": "CSCSCS"}
+    g = weighted_gate(1.0)
+    assert run(g, [Signals(fbcache=r) for r in FLAT]) == {"cond": "CSSSCC"}
+    rows = g.telemetry.trace
+    assert [r["rel"] for r in rows[1:]] == pytest.approx([0.1] * 5)  # the raw value is kept
+    assert [r["rescaled"] for r in rows[1:]] == pytest.approx([0.03, 0.06, 0.06, 0.12, 0.3])
+    assert [r["accum"] for r in rows[1:]] == pytest.approx([0.03, 0.09, 0.15, 0.27, 0.3])
+    assert [r["reason"] for r in rows[4:]] == ["above_threshold"] * 2
+
+
+def test_step_weight_exponent_and_its_absence():
+    """p = 0.5 weighs by the square root: .055 .077 .077 .110 .173 (steps 1-5) sum to .209 at
+    step 3 (compute), then .110 S, .283 C. Without a schedule, or with one of another length,
+    every weight is 1 and the trace is the unweighted one; step_weight 0 ignores a schedule."""
+    g = weighted_gate(0.5)
+    assert run(g, [Signals(fbcache=r) for r in FLAT]) == {"cond": "CSSCSC"}
+    assert [r["rescaled"] for r in g.telemetry.trace[1:]] == pytest.approx(
+        [0.1 * w ** 0.5 for w in (0.3, 0.6, 0.6, 1.2, 3.0)])
+    for gate in (weighted_gate(1.0, sigmas=None), weighted_gate(1.0, sigmas=SIGMAS[:-1]),
+                 weighted_gate(0.0)):
+        assert run(gate, [Signals(fbcache=r) for r in FLAT]) == {"cond": "CSCSCS"}
+        assert [r["rescaled"] for r in gate.telemetry.trace[1:]] == [0.1] * 5
+
+
+def test_step_weight_config_and_flag_are_checked():
+    from cache.flags import config_from_args
+    from stage2_transformer_flax_deepcache import build_parser
+
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(ConfigError, match="step_weight"):
+            CMConfig(fbcache=tensor_fb(0.1), step_weight=bad)
+    with pytest.raises(ConfigError, match="needs FBCache"):
+        CMConfig(step_weight=1.0)
+    assert CMConfig().step_weight == 0.0  # off by default
+
+    def parse(*args):
+        return config_from_args(build_parser().parse_args(list(args)))
+
+    assert parse("--fbcache", "--step_weight", "1").step_weight == 1.0
+    with pytest.raises(ConfigError, match="--step_weight"):
+        parse("--fbcache", "--step_weight", "-1")
+
+
+def test_sampling_loop_hands_the_schedule_to_the_gate():
+    """On the torch backend the trace's weighted metric over the raw one is each step's size
+    over the mean of the scheduler's sigmas."""
+    from sampling.pipelines import get_pipeline
+    from sampling.run import make_sample, sample_once
+    from sampling.schedulers import make_scheduler
+    from sampling.stages import SignalPlan
+    from tests.model_inputs import random_model
+    from torch_backend.backend import TorchBackend
+
+    pipe = get_pipeline("wan-tiny-ti2v")
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = pipe.synthesize(shape, True, False, 0)
+    config = CMConfig(fbcache=tensor_fb(0.3, accumulate=True), forecast=2, forecast_gate=True,
+                      step_weight=1.0)
+    models = {e: random_model(c, seed=i, std=0.2) for i, (e, c) in enumerate(pipe.experts)}
+    backend = TorchBackend(models, SignalPlan.from_config(config))
+    sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0)
+    traj = sample_once(backend, config, sample, solver="unipc", steps=10, shift=5.0)
+    sig = [float(s) for s in make_scheduler("unipc", 10, 5.0).sigmas]
+    size = [a - b for a, b in zip(sig, sig[1:])]
+    want = {i: d * len(size) / sum(size) for i, d in enumerate(size)}
+    rows = [r for r in traj.gate.telemetry.trace if r["branch"] == "cond" and r["rel"]]
+    assert len(rows) >= 5
+    assert [r["rescaled"] / r["rel"] for r in rows] == pytest.approx([want[r["step"]] for r in rows])
+    assert want[9] > 3 * want[1]  # shift 5: the late steps are the large ones
