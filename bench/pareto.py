@@ -548,6 +548,14 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     out.append(Method("ours FBCache +forecast1 gated", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=1, forecast_gate=True)))
         for th in pick([0.2, 0.4, 0.8])], "the same with a linear forecast (cheap end)"))
+    # the cheap end: each step's forecast error weighted by the step's size in sigma (an error
+    # on a large late step moves the final latent more), no forced last compute
+    out.append(Method("ours FBCache +forecast1 gated step-weighted", "ours", [
+        (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=1, forecast_gate=True,
+                                          step_weight=1.0, last_steps=0)))
+        for th in pick([0.01, 0.02, 0.05, 0.1, 0.3, 0.7, 1.2, 2.1])],
+        "linear forecast, summed forecast error weighted by |dsigma| over its mean "
+        "(--step_weight 1), --cache_last_steps 0"))
     out.append(Method("ours TeaCache +forecast2", "ours", [
         (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th), forecast=2,
                                           limits=LimitsConfig(max_continuous=3))))

@@ -57,6 +57,11 @@ def _space():
            for t in (0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.3, 0.6)]
     out += [(f"FBCache +forecast1 gated {t:g}", _fb(t, forecast=1, gated=True))
             for t in (0.2, 0.4, 0.8)]
+    # the cheap end (issue 17): linear forecast, forecast error weighted by the step's size, no
+    # forced last compute
+    out += [(f"FBCache +forecast1 gated step-weighted {t:g}",
+             {**_fb(t, forecast=1, gated=True), "step_weight": 1.0, "last_steps": 0})
+            for t in (0.05, 0.1, 0.3, 0.7, 1.2, 2.1)]
     out += [(f"FBCache +forecast2 {t:g}", _fb(t, forecast=2)) for t in (0.03, 0.05, 0.1, 0.2)]
     out += [(f"FBCache F1B2 +forecast1 {t:g}", _fb(t, forecast=1, bn=2)) for t in (0.1, 0.2)]
     out += [(f"FBCache {t:g}", _fb(t)) for t in (0.02, 0.05)]
@@ -82,7 +87,6 @@ class Choice:
 # one-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's)
 T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833,
        10: 1.812, 12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}
-FLOOR = 1e-7  # rel L2 of a draw that reused nothing: fp32 noise, so log() stays finite
 
 
 def t95(dof: int) -> float:
@@ -93,30 +97,34 @@ def t95(dof: int) -> float:
 
 
 def _log_stats(errors):
-    logs = [math.log(max(e, FLOOR)) for e in errors]
+    logs = [math.log(e) for e in errors]
     mean = sum(logs) / len(logs)
-    var = sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
-    return mean, math.sqrt(var)
+    if len(logs) < 2:
+        return mean, 0.0
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
 
 
 def pooled_spread(candidates) -> float:
-    """The spread of log errors between draws, pooled over the configurations that reused."""
-    variances = [_log_stats(c["rel_l2"])[1] ** 2 for c in candidates if max(c["rel_l2"]) > 0]
+    """The spread of log errors between draws, pooled over the configurations that reused on
+    every draw (one that reused nothing on a draw has no log error there)."""
+    variances = [_log_stats(c["rel_l2"])[1] ** 2 for c in candidates
+                 if len(c["rel_l2"]) > 1 and min(c["rel_l2"]) > 0]
     return math.sqrt(sum(variances) / len(variances)) if variances else 0.0
 
 
 def bounds(candidates) -> list[float]:
-    """Each configuration's error bound for a draw it has not seen (see the module's text)."""
+    """Each configuration's error bound for a draw it has not seen (see the module's text). The
+    draws on which a configuration reused nothing (no error) are left out of its statistics."""
     pooled = pooled_spread(candidates)
     out = []
     for c in candidates:
-        errors = c["rel_l2"]
-        if max(errors) <= 0.0:  # never reused on any draw
+        errors = [e for e in c["rel_l2"] if e > 0.0]
+        if not errors:  # never reused on any draw
             out.append(0.0)
             continue
         n = len(errors)
         mean, spread = _log_stats(errors)
-        out.append(max(max(errors), math.exp(mean + t95(n - 1) * max(spread, pooled)
+        out.append(max(max(errors), math.exp(mean + t95(max(n - 1, 1)) * max(spread, pooled)
                                              * math.sqrt(1.0 + 1.0 / n))))
     return out
 

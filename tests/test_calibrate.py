@@ -98,6 +98,10 @@ def test_the_bound_is_a_t_prediction_bound_on_log_errors_with_the_pooled_spread_
     assert bounds([two])[0] == pytest.approx(math.exp(
         np.mean(two_logs) + 6.314 * np.std(two_logs, ddof=1) * math.sqrt(1.5)))
     assert bounds([two])[0] > 1.8 * alone
+    # a draw that reused nothing has no log error: left out, not a spread of 1e4
+    partly = candidate("partly", [0.0, 1e-3, 1.2e-3], [1.0, 0.5, 0.5])
+    assert pooled_spread([steady, partly]) == pytest.approx(sd["s"])
+    assert bounds([steady, partly])[1] == pytest.approx(bounds([two, steady])[0])
 
 
 def test_choose_takes_the_cheapest_configuration_whose_bound_keeps_the_budget():
