@@ -913,11 +913,13 @@ NOTES = """\
   stop where the extrapolation goes wrong, not where the raw change is large; the gated curves
   alone make all of our front on HunyuanVideo-1.5 and its mid and high-fidelity part on Wan.
   cache-dit's TaylorSeer calibrator forecasts like us but decides on the raw change.
-- Where we are not ahead: Wan's cheap end. At diffusers FBC's 0.227 / 62.5 dB point ours is
-  +0.5 dB at that fraction and 1.09x at that PSNR; at its 0.149 / 55.7 dB point +5.5 dB but no
-  cheaper (ours computes the last step too). The first reuse run has one stored residual and is
-  plain reuse; extrapolating it along block 0's change cannot help, since that change points
-  almost orthogonally to the middle's (cos 0.0 to 0.2, bench/results/forecast_signals.md).
+- Wan's cheap end (issue 17): the step-weighted curve (linear forecast, each step's forecast
+  error weighted by its size in sigma, no forced last compute) reaches diffusers FBC's 55.7 dB at
+  0.111 computed and its 62.5 dB at 0.169, by thin margins (0.3 and 0.5 dB) on this one draw;
+  forcing compute schedules by hand, the best 4-compute schedule found on Wan gives 56.3 dB, so
+  that end is close to what any schedule can do here. The first reuse run has one stored residual
+  and is plain reuse; extrapolating it along block 0's change cannot help, since that change
+  points almost orthogonally to the middle's (cos 0.0 to 0.2, bench/results/forecast_signals.md).
 - Our curves are not monotonic in the threshold (Wan gated 0.07: 0.304 computed, 64.3 dB; 0.15:
   0.265, 70.9 dB): the errors of different reuse runs partly cancel in the final latent, so a
   single point carries a few dB of luck either way; the front takes each curve's best points.
@@ -933,11 +935,12 @@ NOTES = """\
   configurations as a floor). The bound is conservative by design: the achieved error sits well
   under the budget (the table's max column), so a budget buys less speed than the curve could
   give on one lucky draw, and keeps on draws it never saw.
-- What would move us further (not yet measured): for Wan's cheap end, weighting each reused
-  step's forecast error by the scheduler's step size (the final error adds them up so).
+- Not measured yet: the step weighting on the quadratic forecast at every threshold, and on
+  real checkpoints.
 - Caveats: random weights keep much of the initial noise, so PSNR is inflated (rel/disp does not
   flatter); one prompt and one seed make each curve (MagCache calibrates on another draw,
-  budgeted mode on three others, and is checked on five); the models are tiny (30 blocks, width 48 / 64, 320 / 400 tokens), so per-op
+  budgeted mode on three others, and is checked on five); the models are tiny (30 blocks, width
+  48 / 64, 320 / 400 tokens), so per-op
   overhead dominates their time on a CPU.
 """
 
