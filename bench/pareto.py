@@ -966,12 +966,13 @@ def budget_standing(rows, family, unseen) -> tuple[list[str], str]:
              "draws (max) | kept | our front's best PSNR at that fraction | best peer's PSNR at "
              "no more computed (ours' gain) | best peer's least computed for that PSNR (ratio) "
              "| both (+3 dB and 1.25x) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    kept_all = near_all = both_all = 0
+    kept_all = near_all = both_all = draws = 0
     worst_ratio = 0.0
     for r in runs:
         b = float(re.search(r"budget ([0-9.e-]+)", r["setting"]).group(1))
         choice = r["setting"].split(": ", 1)[1] if ": " in r["setting"] else "-"
         achieved = [r["rel_l2"]] + [u["rel_l2"] for u in unseen if u["budget"] == b]
+        draws += len(achieved)
         kept = sum(e <= b for e in achieved)
         worst_ratio = max(worst_ratio, max(achieved) / b)
         f, q = r["computed_fraction"], r["psnr_db"]
@@ -992,9 +993,6 @@ def budget_standing(rows, family, unseen) -> tuple[list[str], str]:
             f"{_fmt(peer_at, '.1f', 'none (no peer is as cheap)')} ({_fmt(gain, '+.1f', '-')} dB) "
             f"| {_fmt(None if ratio is None else f * ratio, '.3f', 'none (no peer reaches it)')} "
             f"({_fmt(ratio, '.2f', '-')}x) | {'met' if both else 'not met'} |")
-    draws = sum(1 + sum(u["budget"] == float(re.search(r"budget ([0-9.e-]+)",
-                                                        r["setting"]).group(1)) for u in unseen)
-                for r in runs)
     summary = (f"budgeted mode kept {kept_all} of {draws} budget x unseen-draw runs (worst "
                f"achieved / budget {worst_ratio:.2f}); its points within {FRONT_DB:g} dB of our "
                f"front at {near_all} of {len(runs)}, both forms against the best peer at "

@@ -97,7 +97,7 @@ def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
     if not is_finite(rel):
         return None, FBCacheState()
     # CMConfig.step_weight: the step's size over the mean step (1 when off, x * 1.0 == x)
-    weighted = rel * getattr(ctx, "step_weight", 1.0)
+    weighted = rel * ctx.step_weight
     accum = weighted if config.metric in TENSOR_METRICS and not config.accumulate \
         else state.accum + weighted
     return (threshold_vote(config.threshold * ctx.threshold_scale, accum, rel, weighted),

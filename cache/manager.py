@@ -78,7 +78,7 @@ class CacheManager:
         check_int("CacheManager.attach", "num_steps", num_steps, minimum=1)
         check_int("CacheManager.attach", "sp_world_size", sp_world_size, minimum=1)
         self.num_steps, self.sp_world_size = num_steps, sp_world_size
-        self._step_weights: tuple[float, ...] | None = None
+        self._step_weights = None
         self.reset()
 
     def set_schedule(self, sigmas) -> None:

@@ -81,7 +81,6 @@ class Choice:
     bound: float  # the error the choice promises for a draw it has not seen
     computed: float  # mean computed fraction of block evaluations on the calibration draws
     computed_max: float  # the most it computed on one of them
-    errors: tuple  # per calibration draw
 
 
 # one-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's)
@@ -164,7 +163,7 @@ def choose(budget: dict, *, rel_err: float | None = None,
         raise BudgetError("give one target: a relative-error budget or a speedup")
     measured = [c for c in budget["candidates"] if all(math.isfinite(e) for e in c["rel_l2"])]
     choices = [Choice(c["label"], c["config"], bound, sum(c["computed"]) / len(c["computed"]),
-                      max(c["computed"]), tuple(c["rel_l2"]))
+                      max(c["computed"]))
                for c, bound in zip(measured, bounds(measured), strict=True)]
     if rel_err is not None:
         within = [c for c in choices if c.bound <= rel_err]

@@ -208,7 +208,7 @@ def denoise(backend: Backend, gate: CacheManager, plan: SignalPlan, scheduler, s
     r_inputs = [backend.put(torch.tensor([r])) for r in (*timesteps[1:], 0.0)] if meanflow else None
     check_cond_updates(sample, len(timesteps))
     if gate.config.step_weight:  # the gate weighs each step by its size (it imports no backend)
-        gate.set_schedule([float(s) for s in scheduler.sigmas])
+        gate.set_schedule(scheduler.sigmas)
     conds = dict(sample.conds)
     start = time.perf_counter()
     for i, t in enumerate(timesteps):

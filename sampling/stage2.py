@@ -271,14 +271,13 @@ def _budgeted(args, pipe) -> tuple[CMConfig, dict]:
                          f"{calibrated['model']}; this run is {pipe.name}: calibrate it for "
                          f"{pipe.name}")
     config = config_from_args(args, choice.fields if choice is not None else {})
-    return config, {
-        "rel_err": args.budget_rel_err, "speedup": args.budget_speedup,
-        "choice": None if choice is None else choice.label,
-        "config": None if choice is None else choice.fields,
-        "bound_rel_err": None if choice is None else choice.bound,
-        "predicted_computed_fraction": None if choice is None else choice.computed,
-        "calibrated_steps": calibrated["steps"],
-        "calibrated_seeds": calibrated["seeds"]}
+    chosen = (dict.fromkeys(("choice", "config", "bound_rel_err", "predicted_computed_fraction"))
+              if choice is None else
+              {"choice": choice.label, "config": choice.fields, "bound_rel_err": choice.bound,
+               "predicted_computed_fraction": choice.computed})
+    return config, {"rel_err": args.budget_rel_err, "speedup": args.budget_speedup, **chosen,
+                    "calibrated_steps": calibrated["steps"],
+                    "calibrated_seeds": calibrated["seeds"]}
 
 
 def resolve(args) -> dict:
