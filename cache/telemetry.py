@@ -154,13 +154,16 @@ class Telemetry:
         write_trace_csv(path, self.trace)
 
 
+def trace_csv(f, trace) -> None:
+    """The per-call trace as CSV into an open text file, one row per model call."""
+    writer = csv.DictWriter(f, fieldnames=TRACE_COLUMNS)
+    writer.writeheader()
+    writer.writerows(trace)
+
+
 def write_trace_csv(path: str, trace) -> None:
-    """The per-call trace as CSV, one row per model call, written atomically."""
-    def write(f):
-        writer = csv.DictWriter(f, fieldnames=TRACE_COLUMNS)
-        writer.writeheader()
-        writer.writerows(trace)
-    _atomic_write(path, write)
+    """The per-call trace as CSV, written atomically."""
+    _atomic_write(path, lambda f: trace_csv(f, trace))
 
 
 def _atomic_write(path: str, write) -> None:

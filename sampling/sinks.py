@@ -117,10 +117,10 @@ def write_tensorboard(logdir: str, trace, num_steps: int, tag: str = "cache") ->
     return logdir
 
 
-def plot_traces(traces: dict, path: str, thresholds: dict | None = None) -> str:
+def plot_traces(traces: dict, path, thresholds: dict | None = None):
     """A PNG with one panel per trace (title -> rows): the leader branch's rel and accumulator
     per step, its threshold if given, and a tick per reused step, so a person sees where the
-    gate skipped and why. Written atomically."""
+    gate skipped and why. `path`: a file name (written atomically) or an open binary file."""
     plt = require_pyplot()
     titles = list(traces)
     if not titles:
@@ -153,16 +153,12 @@ def plot_traces(traces: dict, path: str, thresholds: dict | None = None) -> str:
         ax.legend(fontsize=7, loc="upper right")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a plot is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        if isinstance(path, str):
+            from .stage_io import atomic_write
+            atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"), mode="wb")
+        else:  # an open binary file
+            fig.savefig(path, dpi=110, format="png")
     finally:
         plt.close(fig)
     return path

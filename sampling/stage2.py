@@ -19,7 +19,7 @@ import torch
 
 from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
-from cache.telemetry import write_trace_csv
+from cache.telemetry import trace_csv
 from modules import ops
 from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
@@ -47,12 +47,13 @@ from .stage_io import (
     CONFIG,
     EMBEDDINGS,
     LATENTS,
+    STAGE3_FIELDS,
     StageFileError,
-    atomic_write,
     check_writable,
     check_writable_file,
     read_config,
     read_stage1,
+    staged,
     write_stage2,
 )
 from .stages import SignalPlan
@@ -642,7 +643,8 @@ def _ms(seconds):
 
 def _write(r, latents, report, args):
     pipe, size = r["pipe"], r["size"]
-    config = dict(r["stage1"])
+    # a config from a decoded folder: its stage-3 fields describe a video of other latents
+    config = {k: v for k, v in r["stage1"].items() if k not in STAGE3_FIELDS}
     config.update(model=pipe.name, height=size[0], width=size[1], video_length=size[2],
                   num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=r["seed"],
                   sample_solver=r["solver"], sample_shift=r["shift"],
@@ -655,29 +657,26 @@ def _write(r, latents, report, args):
     meta.update(elapsed_time=report["time"]["stage_seconds"], device=report["device"],
                 **_cache_metadata(r["config"]))
     out = latents.to(r["dtype"]) if r["dtype"] == torch.bfloat16 else latents
-    report["outputs"] = write_stage2(r["output_dir"], out, meta, config)
     cfg = r["config"]
     title = f"{pipe.name} {'+'.join(cfg.modes) or 'off'}"
     tech = cfg.teacache or cfg.fbcache
     reports = (
-        ("--telemetry_json", args.telemetry_json, lambda path: atomic_write(
-            path, lambda f: json.dump(report, f, indent=1, default=str))),
-        ("--telemetry_csv", args.telemetry_csv,
-         lambda path: write_trace_csv(path, report["trace"])),
-        ("--tensorboard_dir", args.tensorboard_dir,
-         lambda path: write_tensorboard(path, report["trace"], r["steps"])),
-        ("--plot_png", args.plot_png, lambda path: plot_traces(
-            {title: report["trace"]}, path, {title: tech.threshold if tech is not None else None})),
+        ("--telemetry_json", args.telemetry_json, "w",
+         lambda f: json.dump(report, f, indent=1, default=str)),
+        ("--telemetry_csv", args.telemetry_csv, "w", lambda f: trace_csv(f, report["trace"])),
+        ("--plot_png", args.plot_png, "wb", lambda f: plot_traces(
+            {title: report["trace"]}, f, {title: tech.threshold if tech is not None else None})),
     )
-    for flag, path, write in reports:
-        if path is None:
-            continue
-        try:
-            write(path)
-        except OSError as exc:  # a full disk after the stage files: say which file is missing
-            raise StageFileError(f"{flag} {path} could not be written: {exc.strerror or exc}; "
-                                 f"the stage files were written ({', '.join(report['outputs'].values())})"
-                                 ) from None
+    # reports are prepared first and renamed in after the stage files: all of the run's outputs
+    # or none of them
+    with staged() as files:
+        for flag, path, mode, write in reports:
+            if path is not None:
+                files.add(path, write, mode, flag)
+        if args.tensorboard_dir is not None:
+            files.add_folder(args.tensorboard_dir, lambda folder: write_tensorboard(
+                folder, report["trace"], r["steps"]), "--tensorboard_dir")
+        report["outputs"] = write_stage2(r["output_dir"], out, meta, config)
 
 
 def format_summary(report: dict) -> str:

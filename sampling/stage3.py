@@ -255,11 +255,12 @@ def _run(args, r, rank, world, device):
                        f"latents call for {list(expected)}"
                        + ("; choose another --tile_size" if args.tiled else ""))
     config = dict(r["config"])
-    config.update(output_video=os.path.join(r["output_dir"], VIDEO),
+    fields = dict(output_video=os.path.join(r["output_dir"], VIDEO),
                   stage3_decode_time=round(seconds, 3), vae=vae_name, vae_dtype=args.dtype,
-                  fps=r["fps"], video_frames=expected[0], video_height=expected[1],
+                  video_frames=expected[0], video_height=expected[1],
                   video_width=expected[2], vae_patch_parallel_ranks=world,
                   vae_patch_grid=report["grid"], vae_tiled=args.tiled)
+    config.update(fps=r["fps"], **fields)
     report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config)
     report["video"] = list(expected)
     return report

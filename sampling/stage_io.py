@@ -19,7 +19,9 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Mapping
 
 import torch
@@ -32,6 +34,12 @@ from .pipelines import TensorSpec
 EMBEDDINGS = "stage1_embeddings.safetensors"
 LATENTS = "stage2_latents.safetensors"
 CONFIG = "generation_config.json"
+VIDEO = "output_video.mp4"
+# what stage 3 adds to the config: a stage-2 rerun drops them (they describe the old latents' video)
+STAGE3_FIELDS = ("output_video", "stage3_decode_time", "vae", "vae_dtype", "video_frames",
+                 "video_height", "video_width", "vae_patch_parallel_ranks", "vae_patch_grid",
+                 "vae_tiled")
+PAIR_ID = "stage2_pair_id"  # in the latents' metadata and the config: one id per written pair
 
 
 class StageFileError(ValueError):
@@ -115,13 +123,151 @@ def read_stage1(directory: str, specs: Mapping[str, TensorSpec]):
     return tensors, config
 
 
+# --- writing: temporary files, a journal, renames ----------------------------------------------
+#
+# Every file a run writes goes to a temporary name beside its final one first. A temporary file
+# is flock'ed by its writer for as long as the writer lives, so any later process can tell a live
+# writer's file (lock held) from one a killed writer left (lock free: removed). A pair of stage
+# files is committed under the folder's exclusive lock by a journal: JOURNAL, renamed in once
+# both temporary files are complete, names the renames; they are done, then JOURNAL is removed.
+# Killed before the journal exists, the folder holds the old pair (and stale temporary files,
+# which the next writer or reader removes); killed after, the next writer or reader of the
+# folder finishes the renames (roll forward) and holds the new pair. Nothing is ever renamed
+# away, so there is nothing to restore.
+
+JOURNAL = ".stage_commit.json"
+_PREFIX_CHARS = 64  # of the final name in a temporary one: long names keep room under NAME_MAX
+_held: dict[str, int] = {}  # temporary path -> the open, flock'ed descriptor of this process
+
+
+def _prefix(name: str) -> str:
+    return f".{name[:_PREFIX_CHARS]}."
+
+
 def _temporary(directory: str, name: str, suffix: str = ".tmp") -> str:
-    fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=suffix, dir=directory)
-    os.close(fd)
+    fd, path = tempfile.mkstemp(prefix=_prefix(name), suffix=suffix, dir=directory)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held[path] = fd
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # mkstemp makes 0600; outputs get the usual permissions
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; outputs get the usual permissions
     return path
+
+
+def _release(path: str) -> None:
+    """Remove a temporary file of ours if it is still there (not renamed in), and unlock it."""
+    with deferred():  # an interruption here would leave a temporary file behind
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
+        fd = _held.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _sync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale(directory: str, names: tuple[str, ...]) -> None:
+    """Remove the temporary files of `names` in `directory` that no live process holds."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    prefixes = tuple(_prefix(n) for n in names)
+    for entry in entries:
+        if not entry.startswith(prefixes):
+            continue
+        path = os.path.join(directory, entry)
+        if path in _held:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live writer holds it
+        else:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        finally:
+            os.close(fd)
+
+
+# what an interrupted write of these can leave in a stage folder; ".previous" is the backup an
+# earlier version of this module renamed the old latents to
+_STAGE_NAMES = (LATENTS, EMBEDDINGS, CONFIG, VIDEO, JOURNAL, "previous",
+                "write-check")
+
+
+def _roll_forward(directory: str) -> None:
+    """Finish the renames JOURNAL names, then remove it. Every step can be repeated, so a kill
+    in here is finished by the next call."""
+    journal = os.path.join(directory, JOURNAL)
+    try:
+        with open(journal) as f:
+            renames = json.load(f)["renames"]
+        pairs = [(str(tmp), str(final)) for tmp, final in renames]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StageFileError(f"{journal}: an unreadable commit journal ({exc}); expected the one "
+                             "an interrupted stage write leaves; remove it to keep the files as "
+                             "they are") from None
+    for tmp, final in pairs:
+        # only ever a temporary file of ours onto its final name, both in this folder
+        if os.sep in tmp or os.sep in final or not tmp.startswith(_prefix(final)):
+            raise StageFileError(f"{journal} names the rename {tmp!r} -> {final!r}; expected "
+                                 "a temporary file of a stage write onto its name")
+        source = os.path.join(directory, tmp)
+        if os.path.exists(source):
+            os.replace(source, os.path.join(directory, final))
+    _sync(directory)
+    os.remove(journal)
+    _sync(directory)
+
+
+def _restore_previous(directory: str) -> None:
+    """An earlier version renamed the old latents to a `.previous.*.tmp` backup before renaming
+    the new ones in; killed in between, the latents were missing: put the backup back."""
+    target = os.path.join(directory, LATENTS)
+    if os.path.lexists(target):
+        return
+    backups = sorted((e for e in os.listdir(directory) if e.startswith(_prefix("previous"))),
+                     key=lambda e: os.path.getmtime(os.path.join(directory, e)))
+    if backups:
+        os.replace(os.path.join(directory, backups[-1]), target)
+
+
+def recover(directory: str) -> None:
+    """Under the folder's exclusive lock: finish a commit an interrupted run left, and remove
+    its temporary files. A folder with nothing to recover is not written to."""
+    if os.path.lexists(os.path.join(directory, JOURNAL)):
+        _roll_forward(directory)
+    _restore_previous(directory)
+    remove_stale(directory, _STAGE_NAMES)
+
+
+@contextlib.contextmanager
+def _stage_folder(directory: str):
+    """The folder's exclusive lock, with anything an interrupted run left recovered first."""
+    with folder_lock(directory, exclusive=True):
+        try:
+            recover(directory)
+        except OSError as exc:
+            raise StageFileError(f"{directory}: files an interrupted write left there could not "
+                                 f"be recovered ({exc.strerror or exc}); expected a folder this "
+                                 "user can write to") from None
+        yield
 
 
 def write_stage(directory: str, tensors: Mapping[str, torch.Tensor], tensors_name: str,
@@ -137,55 +283,137 @@ def write_stage(directory: str, tensors: Mapping[str, torch.Tensor], tensors_nam
 
 def _write_with_config(directory: str, name: str, suffix: str, write_payload,
                        config: Mapping) -> dict[str, str]:
-    """write_payload(a temporary path ending in `suffix`), the config beside it, then both renamed
-    in (both or neither); the temporary files never outlive the call. An OSError (a full disk)
-    becomes a StageFileError saying which file could not be written."""
+    """write_payload(a temporary path ending in `suffix`), the config beside it, then both
+    committed by the journal (both or neither, even under kill -9); the temporary files never
+    outlive the call. An OSError (a full disk) becomes a StageFileError saying which file could
+    not be written."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise StageFileError(f"output directory {directory} exists and is not a directory")
     temps = []
+    committing = False
     try:
         os.makedirs(directory, exist_ok=True)
-        for taken in (name, CONFIG):
-            if os.path.isdir(os.path.join(directory, taken)):
-                raise StageFileError(_taken_by_folder(directory, taken))
-        payload_tmp = _temporary(directory, name, suffix)
-        temps.append(payload_tmp)
-        write_payload(payload_tmp)
-        config_tmp = _temporary(directory, CONFIG)
-        temps.append(config_tmp)
-        with open(config_tmp, "w") as f:
-            json.dump(dict(config), f, indent=2, default=str)
-            f.write("\n")
-        paths = {name: os.path.join(directory, name), CONFIG: os.path.join(directory, CONFIG)}
-        with folder_lock(directory, exclusive=True), deferred():
-            _replace_both(payload_tmp, paths[name], config_tmp, paths[CONFIG])
-        return paths
+        with _stage_folder(directory):
+            for taken in (name, CONFIG):
+                if os.path.isdir(os.path.join(directory, taken)):
+                    raise StageFileError(_taken_by_folder(directory, taken))
+            payload_tmp = _temporary(directory, name, suffix)
+            temps.append(payload_tmp)
+            write_payload(payload_tmp)
+            _sync(payload_tmp)
+            config_tmp = _temporary(directory, CONFIG)
+            temps.append(config_tmp)
+            with open(config_tmp, "w") as f:
+                json.dump(dict(config), f, indent=2, default=str)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            journal_tmp = _temporary(directory, JOURNAL)
+            temps.append(journal_tmp)
+            with open(journal_tmp, "w") as f:
+                json.dump({"renames": [[os.path.basename(payload_tmp), name],
+                                       [os.path.basename(config_tmp), CONFIG]]}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            with deferred():
+                os.replace(journal_tmp, os.path.join(directory, JOURNAL))
+                committing = True
+                _roll_forward(directory)
+        return {name: os.path.join(directory, name), CONFIG: os.path.join(directory, CONFIG)}
     except OSError as exc:
-        raise StageFileError(f"could not write {name} and {CONFIG} in {directory}: "
-                             f"{exc.strerror or exc}"
-                             + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")
-                             + "; nothing was written, and files of earlier runs are as they "
-                             "were") from None
+        what = (f"could not finish renaming {name} and {CONFIG} in {directory}: "
+                f"{exc.strerror or exc}; the next run or read of the folder finishes it"
+                if committing else
+                f"could not write {name} and {CONFIG} in {directory}: {exc.strerror or exc}"
+                + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")
+                + "; nothing was written, and files of earlier runs are as they were")
+        raise StageFileError(what) from None
     finally:
-        with deferred():  # an interruption here would leave a temporary file behind
-            for tmp in temps:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+        for tmp in temps:
+            if committing:  # the journal names them: the next recovery renames them in
+                fd = _held.pop(tmp, None)
+                if fd is not None:
+                    os.close(fd)
+            else:
+                _release(tmp)
+
+
+class Staged:
+    """Files written under temporary names beside their final paths by `add` (a folder's new
+    files: `add_folder`), renamed in by `commit` (each rename atomic), removed by `discard`: what
+    a run writes outside its stage folder (reports) is prepared before the stage files are
+    committed and renamed in after them."""
+
+    def __init__(self):
+        self.files: list[tuple[str, str]] = []  # (temporary, final)
+        self.folders: list[tuple[str, str]] = []  # (temporary folder, the folder it fills)
+
+    def add(self, path: str, write, mode: str = "w", flag: str | None = None) -> None:
+        """write(open file); an OSError becomes a StageFileError naming `flag` if given."""
+        try:
+            folder = os.path.dirname(os.path.abspath(path))
+            remove_stale(folder, (os.path.basename(path),))
+            tmp = _temporary(folder, os.path.basename(path))
+            self.files.append((tmp, path))
+            with open(tmp, mode) as f:
+                write(f)
+        except OSError as exc:
+            if flag is None:
+                raise
+            raise StageFileError(_not_written(flag, path, exc)) from None
+
+    def add_folder(self, folder: str, write, flag: str) -> None:
+        """write(a temporary folder inside `folder`); the files it makes move into `folder`."""
+        try:
+            os.makedirs(folder, exist_ok=True)
+            remove_stale(folder, ("events",))
+            tmp = tempfile.mkdtemp(prefix=_prefix("events"), suffix=".tmp", dir=folder)
+            fd = os.open(tmp, os.O_RDONLY)
+            _held[tmp] = fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.folders.append((tmp, folder))
+            write(tmp)
+        except OSError as exc:
+            raise StageFileError(_not_written(flag, folder, exc)) from None
+
+    def commit(self) -> None:
+        with deferred():
+            for tmp, path in self.files:
+                os.replace(tmp, path)
+            for tmp, folder in self.folders:
+                for name in sorted(os.listdir(tmp)):
+                    os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        self.discard()
+
+    def discard(self) -> None:
+        for tmp, _ in self.files + self.folders:
+            _release(tmp)
+        self.files, self.folders = [], []
+
+
+def _not_written(flag: str, path: str, exc: OSError) -> str:
+    return (f"{flag} {path} could not be written: {exc.strerror or exc}"
+            + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")
+            + "; nothing was written, and files of earlier runs are as they were")
+
+
+@contextlib.contextmanager
+def staged():
+    """A Staged whose files are renamed in when the block ends normally, removed otherwise."""
+    files = Staged()
+    try:
+        yield files
+    except BaseException:
+        files.discard()
+        raise
+    files.commit()
 
 
 def atomic_write(path: str, write, mode: str = "w") -> None:
     """write(file object) to a temporary file beside `path`, then renamed in: no partial file,
-    and no temporary one, outlives a failure or an interruption."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = _temporary(folder, os.path.basename(path))
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        with deferred():
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    and no temporary one, outlives a failure, an interruption or a kill."""
+    with staged() as files:
+        files.add(path, write, mode)
 
 
 @contextlib.contextmanager
@@ -205,51 +433,37 @@ def _taken_by_folder(directory: str, name: str) -> str:
             f"name free for the {name} file (move the folder away)")
 
 
-def _replace_both(tensor_tmp, tensor_path, config_tmp, config_path):
-    """Two renames; if the second fails, the first is undone (the previous file comes back)."""
-    backup = None
-    if os.path.exists(tensor_path):
-        backup = _temporary(os.path.dirname(tensor_path), "previous")
-        os.replace(tensor_path, backup)
-    try:
-        os.replace(tensor_tmp, tensor_path)
-        os.replace(config_tmp, config_path)
-    except BaseException:
-        if os.path.exists(tensor_path):
-            os.remove(tensor_path)
-        if backup is not None:
-            os.replace(backup, tensor_path)
-        raise
-    if backup is not None:
-        os.remove(backup)
-
-
 def write_stage2(directory: str, latents: torch.Tensor, metadata: Mapping[str, object],
                  config: Mapping) -> dict[str, str]:
-    return write_stage(directory, {"latents": latents}, LATENTS, metadata, config)
+    """The latents and the config, tied by one pair id that read_stage2 checks: a pair put
+    together from two runs (by hand, or by a tool that does not recover) is refused."""
+    pair = uuid.uuid4().hex
+    return write_stage(directory, {"latents": latents}, LATENTS, {**metadata, PAIR_ID: pair},
+                       {**config, PAIR_ID: pair})
 
 
 def read_stage2(directory: str):
     """(latents, metadata, generation config) written by stage 2, read as one pair."""
-    lock = folder_lock(directory, exclusive=False) if os.path.isdir(directory) else \
-        contextlib.nullcontext()
+    lock = _stage_folder(directory) if os.path.isdir(directory) else contextlib.nullcontext()
     with lock:
         tensors, metadata = read_tensors(os.path.join(directory, LATENTS))
         config = read_config(directory)
     if "latents" not in tensors:
         raise StageFileError(f"{os.path.join(directory, LATENTS)} lacks the key 'latents'")
+    if PAIR_ID in metadata and PAIR_ID in config and metadata[PAIR_ID] != config[PAIR_ID]:
+        raise StageFileError(f"{directory}: {LATENTS} ({PAIR_ID} {metadata[PAIR_ID]}) and {CONFIG} "
+                             f"({PAIR_ID} {config[PAIR_ID]}) were written by different runs; "
+                             "expected the pair one stage-2 run writes (rerun stage 2)")
     return tensors["latents"], metadata, config
 
 
 # --- stage 3: the video -------------------------------------------------------------------------
 
-VIDEO = "output_video.mp4"
-
 
 def _probe(folder: str) -> None:
     """Create and remove a file in `folder`: the one check that holds as root and on read-only
     or pseudo file systems, where permission bits say nothing."""
-    os.remove(_temporary(folder, "write-check"))
+    _release(_temporary(folder, "write-check"))
 
 
 def check_writable(directory: str, flag: str = "--output_dir", names: tuple[str, ...] = (),

@@ -12,6 +12,7 @@ from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
     LATENTS,
+    PAIR_ID,
     StageFileError,
     read_stage1,
     read_stage2,
@@ -40,6 +41,7 @@ def test_stage2_round_trip_keeps_values_dtype_and_metadata(tmp_path):
     assert got.dtype == torch.bfloat16 and torch.equal(got, latents)
     assert meta["seed"] == "42" and meta["deepcache_enabled"] == "true"
     assert json.loads(meta["dtype_info"]) == {"latents": "torch.bfloat16"}
+    assert config.pop(PAIR_ID) == meta[PAIR_ID]  # the two files are one pair
     assert config == {"prompt": "p", "seed": 42}
     assert sorted(os.listdir(tmp_path)) == [CONFIG, LATENTS]  # no temporary left over
 
@@ -93,26 +95,46 @@ def test_missing_files_and_bad_json(tmp_path):
 
 
 def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
+    real = stage_io.save_file
+
+    def disk_full(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(stage_io, "save_file", disk_full)
+    with pytest.raises(StageFileError, match="disk is full"):
+        write_stage2(str(out), torch.zeros(1, 4, 1, 2, 2), {}, {"a": 1})
+    assert list(out.iterdir()) == []
+    # a rerun that fails keeps the previous run's files, untouched
+    monkeypatch.setattr(stage_io, "save_file", real)
+    write_stage2(str(out), torch.ones(1), {}, {"run": 1})
+    monkeypatch.setattr(stage_io, "save_file", disk_full)
+    with pytest.raises(StageFileError, match="earlier runs are as they were"):
+        write_stage2(str(out), torch.zeros(1), {}, {"run": 2})
+    latents, _, config = read_stage2(str(out))
+    assert latents.item() == 1.0 and config["run"] == 1
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG, LATENTS]
+
+
+def test_a_rename_that_fails_after_the_commit_is_finished_by_the_next_read(tmp_path, monkeypatch):
+    """Once the journal is in, the new pair is decided: a failed rename is completed later."""
     real = os.replace
 
     def fail_on_config(src, dst):
         if str(dst).endswith(CONFIG):
-            raise OSError("disk full")
+            raise OSError("I/O error")
         return real(src, dst)
 
     out = tmp_path / "out"
-    monkeypatch.setattr(stage_io.os, "replace", fail_on_config)
-    with pytest.raises(StageFileError, match="disk full"):
-        write_stage2(str(out), torch.zeros(1, 4, 1, 2, 2), {}, {"a": 1})
-    assert list(out.iterdir()) == []
-    # a rerun that fails keeps the previous run's files, untouched
-    monkeypatch.setattr(stage_io.os, "replace", real)
     write_stage2(str(out), torch.ones(1), {}, {"run": 1})
     monkeypatch.setattr(stage_io.os, "replace", fail_on_config)
-    with pytest.raises(StageFileError, match="earlier runs are as they were"):
+    with pytest.raises(StageFileError, match="next run or read of the folder finishes it"):
         write_stage2(str(out), torch.zeros(1), {}, {"run": 2})
+    monkeypatch.setattr(stage_io.os, "replace", real)
     latents, _, config = read_stage2(str(out))
-    assert latents.item() == 1.0 and config == {"run": 1}
+    assert latents.item() == 0.0 and config["run"] == 2
     assert sorted(p.name for p in out.iterdir()) == [CONFIG, LATENTS]
 
 
