@@ -214,7 +214,6 @@ def run(args) -> dict:
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
         **result,
     }
-    _write(args.out, profile)
     if args.budget:
         def make_backend(plan):
             if args.backend == "torch":
@@ -228,7 +227,7 @@ def run(args) -> dict:
                                    log=lambda line: print(line, flush=True))
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
-        _write(args.out, profile)
+    _write(args.out, profile)  # once, at the end: an interrupted run leaves the old profile
     return {"calls": len(pairs), "result": result, "out": args.out,
             "budget": profile.get("budget")}
 

@@ -52,8 +52,8 @@ from .stage_io import (
     check_writable,
     check_writable_file,
     read_config,
+    Staged,
     read_stage1,
-    staged,
     write_stage2,
 )
 from .stages import SignalPlan
@@ -667,16 +667,19 @@ def _write(r, latents, report, args):
         ("--plot_png", args.plot_png, "wb", lambda f: plot_traces(
             {title: report["trace"]}, f, {title: tech.threshold if tech is not None else None})),
     )
-    # reports are prepared first and renamed in after the stage files: all of the run's outputs
-    # or none of them
-    with staged() as files:
+    # reports are prepared first and committed with the stage files (one journal): all of the
+    # run's outputs or none of them, even under kill -9
+    files = Staged()
+    try:
         for flag, path, mode, write in reports:
             if path is not None:
                 files.add(path, write, mode, flag)
         if args.tensorboard_dir is not None:
             files.add_folder(args.tensorboard_dir, lambda folder: write_tensorboard(
                 folder, report["trace"], r["steps"]), "--tensorboard_dir")
-        report["outputs"] = write_stage2(r["output_dir"], out, meta, config)
+        report["outputs"] = write_stage2(r["output_dir"], out, meta, config, also=files)
+    finally:
+        files.discard()  # (nothing left to remove once committed)
 
 
 def format_summary(report: dict) -> str:

@@ -161,9 +161,15 @@ def _release(path: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif os.path.lexists(path):
             os.remove(path)
-        fd = _held.pop(path, None)
-        if fd is not None:
-            os.close(fd)
+        _forget(path)
+
+
+def _forget(path: str) -> None:
+    """Unlock a temporary file of ours without removing it (it is renamed in, or a journal
+    names it)."""
+    fd = _held.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _sync(path: str) -> None:
@@ -211,26 +217,43 @@ _STAGE_NAMES = (LATENTS, EMBEDDINGS, CONFIG, VIDEO, JOURNAL, "previous",
                 "write-check")
 
 
+def _journal_path(directory: str, path: str) -> str:
+    """How the journal names a path: by its name inside the stage folder, else in full."""
+    folder, name = os.path.split(os.path.abspath(path))
+    return name if folder == os.path.abspath(directory) else os.path.abspath(path)
+
+
 def _roll_forward(directory: str) -> None:
-    """Finish the renames JOURNAL names, then remove it. Every step can be repeated, so a kill
-    in here is finished by the next call."""
+    """Finish the renames JOURNAL names (files, and folders whose files move into their parent),
+    then remove it. Every step can be repeated, so a kill in here is finished by the next call."""
     journal = os.path.join(directory, JOURNAL)
     try:
         with open(journal) as f:
-            renames = json.load(f)["renames"]
-        pairs = [(str(tmp), str(final)) for tmp, final in renames]
+            entries = json.load(f)
+        files = [(str(tmp), str(final)) for tmp, final in entries["renames"]]
+        folders = [(str(tmp), str(folder)) for tmp, folder in entries.get("folders", [])]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise StageFileError(f"{journal}: an unreadable commit journal ({exc}); expected the one "
                              "an interrupted stage write leaves; remove it to keep the files as "
                              "they are") from None
-    for tmp, final in pairs:
-        # only ever a temporary file of ours onto its final name, both in this folder
-        if os.sep in tmp or os.sep in final or not tmp.startswith(_prefix(final)):
+
+    def checked(tmp, final, name):
+        # only ever a temporary file of ours onto its final name, beside it
+        tmp, final = (os.path.join(directory, p) for p in (tmp, final))
+        if os.path.dirname(tmp) != os.path.dirname(final if name is None else final + os.sep) \
+                or not os.path.basename(tmp).startswith(_prefix(name or os.path.basename(final))):
             raise StageFileError(f"{journal} names the rename {tmp!r} -> {final!r}; expected "
-                                 "a temporary file of a stage write onto its name")
-        source = os.path.join(directory, tmp)
-        if os.path.exists(source):
-            os.replace(source, os.path.join(directory, final))
+                                 "a temporary file of a stage write beside its final name")
+        return tmp, final
+
+    for tmp, final in (checked(t, f, None) for t, f in files):
+        if os.path.lexists(tmp):
+            os.replace(tmp, final)
+    for tmp, folder in (checked(t, f, "events") for t, f in folders):
+        if os.path.isdir(tmp):
+            for name in sorted(os.listdir(tmp)):
+                os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+            os.rmdir(tmp)
     _sync(directory)
     os.remove(journal)
     _sync(directory)
@@ -271,24 +294,27 @@ def _stage_folder(directory: str):
 
 
 def write_stage(directory: str, tensors: Mapping[str, torch.Tensor], tensors_name: str,
-                metadata: Mapping[str, object], config: Mapping) -> dict[str, str]:
-    """Write a tensors file and the generation config atomically (both or neither)."""
+                metadata: Mapping[str, object], config: Mapping,
+                also: Staged | None = None) -> dict[str, str]:
+    """Write a tensors file and the generation config atomically (both or neither), with the
+    files `also` prepared."""
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()}
     meta["dtype_info"] = json.dumps({k: str(t.dtype) for k, t in tensors.items()})
     return _write_with_config(
         directory, tensors_name, ".tmp",
         lambda tmp: save_file({k: t.contiguous() for k, t in tensors.items()}, tmp, metadata=meta),
-        config)
+        config, also)
 
 
 def _write_with_config(directory: str, name: str, suffix: str, write_payload,
-                       config: Mapping) -> dict[str, str]:
+                       config: Mapping, also: Staged | None = None) -> dict[str, str]:
     """write_payload(a temporary path ending in `suffix`), the config beside it, then both
-    committed by the journal (both or neither, even under kill -9); the temporary files never
-    outlive the call. An OSError (a full disk) becomes a StageFileError saying which file could
-    not be written."""
+    committed by the journal (both or neither, even under kill -9), with the files `also` has
+    prepared (reports) in the same journal; the temporary files never outlive the call. An
+    OSError (a full disk) becomes a StageFileError saying which file could not be written."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise StageFileError(f"output directory {directory} exists and is not a directory")
+    also = also if also is not None else Staged()
     temps = []
     committing = False
     try:
@@ -310,9 +336,15 @@ def _write_with_config(directory: str, name: str, suffix: str, write_payload,
                 os.fsync(f.fileno())
             journal_tmp = _temporary(directory, JOURNAL)
             temps.append(journal_tmp)
+            entries = {
+                "renames": [[_journal_path(directory, t), _journal_path(directory, p)]
+                            for t, p in [(payload_tmp, os.path.join(directory, name)),
+                                         (config_tmp, os.path.join(directory, CONFIG)),
+                                         *also.files]],
+                "folders": [[_journal_path(directory, t), _journal_path(directory, p)]
+                            for t, p in also.folders]}
             with open(journal_tmp, "w") as f:
-                json.dump({"renames": [[os.path.basename(payload_tmp), name],
-                                       [os.path.basename(config_tmp), CONFIG]]}, f)
+                json.dump(entries, f)
                 f.flush()
                 os.fsync(f.fileno())
             with deferred():
@@ -329,13 +361,14 @@ def _write_with_config(directory: str, name: str, suffix: str, write_payload,
                 + "; nothing was written, and files of earlier runs are as they were")
         raise StageFileError(what) from None
     finally:
-        for tmp in temps:
-            if committing:  # the journal names them: the next recovery renames them in
-                fd = _held.pop(tmp, None)
-                if fd is not None:
-                    os.close(fd)
-            else:
+        if committing:  # the journal names them: renamed in, or by the next recovery
+            for tmp in temps:
+                _forget(tmp)
+            also.forget()
+        else:
+            for tmp in temps:
                 _release(tmp)
+            also.discard()
 
 
 class Staged:
@@ -390,6 +423,12 @@ class Staged:
             _release(tmp)
         self.files, self.folders = [], []
 
+    def forget(self) -> None:
+        """Another commit (a stage pair's journal) has taken these files over."""
+        for tmp, _ in self.files + self.folders:
+            _forget(tmp)
+        self.files, self.folders = [], []
+
 
 def _not_written(flag: str, path: str, exc: OSError) -> str:
     return (f"{flag} {path} could not be written: {exc.strerror or exc}"
@@ -434,12 +473,12 @@ def _taken_by_folder(directory: str, name: str) -> str:
 
 
 def write_stage2(directory: str, latents: torch.Tensor, metadata: Mapping[str, object],
-                 config: Mapping) -> dict[str, str]:
+                 config: Mapping, also: Staged | None = None) -> dict[str, str]:
     """The latents and the config, tied by one pair id that read_stage2 checks: a pair put
     together from two runs (by hand, or by a tool that does not recover) is refused."""
     pair = uuid.uuid4().hex
     return write_stage(directory, {"latents": latents}, LATENTS, {**metadata, PAIR_ID: pair},
-                       {**config, PAIR_ID: pair})
+                       {**config, PAIR_ID: pair}, also)
 
 
 def read_stage2(directory: str):
