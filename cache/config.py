@@ -97,6 +97,9 @@ class CMConfig:
         if not isinstance(self.limits, LimitsConfig):
             raise ConfigError(f"CMConfig.limits must be a LimitsConfig, "
                               f"got {type(self.limits).__name__}")
+        if not isinstance(self.evaluation_order, list | tuple):
+            raise ConfigError(f"CMConfig.evaluation_order must list distinct modes among "
+                              f"{', '.join(TECHNIQUES)}, got {self.evaluation_order!r}")
         order = tuple(self.evaluation_order)
         object.__setattr__(self, "evaluation_order", order)
         unknown = [m for m in order if m not in TECHNIQUES]

@@ -239,10 +239,35 @@ def config_from_args(args: argparse.Namespace, fields: dict | None = None) -> CM
 
 
 def config_from_fields(fields: dict) -> CMConfig:
-    """The CMConfig of a partial configuration in the presets' format, with no flags given."""
+    """The CMConfig of a partial configuration in the presets' format, with no flags given;
+    ConfigError naming the key when its shape is not that format (the configs check values)."""
+    _check_shape(fields)
     parser = argparse.ArgumentParser(add_help=False)
     add_cache_arguments(parser)
     return _config_from_args(parser.parse_args([]), fields)
+
+
+SECTIONS = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig,
+            "limits": LimitsConfig}
+
+
+def _check_shape(fields) -> None:
+    """A partial CMConfig is an object; its technique and limits entries objects of their
+    config's fields (top-level names are checked where the CMConfig is built)."""
+    if not isinstance(fields, dict):
+        raise ConfigError(f"a configuration is an object of CMConfig fields, got "
+                          f"{type(fields).__name__} {fields!r:.60}")
+    for key, cls in SECTIONS.items():
+        if key not in fields:
+            continue
+        value = fields[key]
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} {value!r:.60}: expected an object of {cls.__name__} fields")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in value if k not in known)
+        if unknown:
+            raise ConfigError(f"{key} sets unknown fields {unknown!r:.80}; expected fields of "
+                              f"{cls.__name__}: {', '.join(sorted(known))}")
 
 
 def _config_from_args(args: argparse.Namespace, fields: dict | None = None) -> CMConfig:

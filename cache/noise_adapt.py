@@ -29,7 +29,8 @@ TABLES: dict[str, tuple[tuple[float, float], ...]] = {
 
 
 def check(spec: str) -> None:
-    if spec in ("none", "linear") or (spec.startswith("table:") and spec[6:] in TABLES):
+    if isinstance(spec, str) and (spec in ("none", "linear") or
+                                  (spec.startswith("table:") and spec[6:] in TABLES)):
         return
     raise ConfigError(f"noise_adapt must be none, linear or table:<name> with a name among "
                       f"{', '.join(sorted(TABLES))}; got {spec!r}")

@@ -65,6 +65,10 @@ class TeaCacheConfig:
             raise ConfigError(f"TeaCacheConfig.relative must be True or False, got {self.relative!r}",
                               field="TeaCacheConfig.relative", value=self.relative,
                               expected="true or false")
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"TeaCacheConfig.policy must be 'linear' or 'poly:<profile>', got "
+                              f"{self.policy!r}", field="TeaCacheConfig.policy", value=self.policy,
+                              expected="linear, or poly: and a profile")
         if self.policy != "linear":
             name = self.policy.removeprefix("poly:")
             try:

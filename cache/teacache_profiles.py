@@ -13,9 +13,22 @@ Coefficients are copied exactly, highest power first (numpy.poly1d order).
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass, field
+
+from .validate import (
+    MISSING,
+    FieldError,
+    at_key,
+    json_int,
+    json_list,
+    json_number,
+    json_object,
+    json_str,
+    json_type,
+    read_json,
+    refuse_field,
+)
 
 # What a TeaCache signature is the mean absolute value of.
 MODULATED_INPUT = "modulated_input"  # block 0's LayerNorm(x) * (1 + scale) + shift (seed 000)
@@ -59,31 +72,76 @@ class ProfileError(ValueError):
 
 @functools.lru_cache(maxsize=32)
 def load_profile_file(path: str) -> PolyProfile:
-    """A calibrated profile written by `python -m sampling.calibrate` (JSON)."""
+    """A calibrated profile written by `python -m sampling.calibrate` (JSON), checked field by
+    field (check_profile); ProfileError, one line naming the file and the field, otherwise."""
     try:
-        with open(path) as f:
-            d = json.load(f)
-        coefficients = tuple(float(c) for c in d["coefficients"])
-        experts = {k: tuple(float(c) for c in v) for k, v in d.get("experts", {}).items()}
-        # profiles written before the fitted range was recorded load without one
-        rel_range = _range(d["rel_range"]) if d.get("rel_range") is not None else None
-        expert_ranges = {k: _range(v) for k, v in d.get("experts_rel_range", {}).items()}
-        profile = PolyProfile(coefficients, str(d["signal"]), float(d.get("threshold", 0.15)),
-                              int(d.get("warmup", 1)), str(d.get("source", path)), experts,
-                              rel_range, expert_ranges)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ProfileError(f"TeaCache profile {path}: {exc}; expected the JSON that "
-                           "`python -m sampling.calibrate` writes") from None
-    if profile.signal not in SIGNALS or not coefficients:
-        raise ProfileError(f"TeaCache profile {path}: signal must be one of {SIGNALS} and "
-                           "coefficients non-empty")
-    return profile
+        return check_profile(read_json(path), path)
+    except FieldError as exc:
+        raise ProfileError(f"TeaCache profile {path}: {exc}") from None
 
 
-def _range(values) -> tuple[float, float]:
-    low, high = (float(v) for v in values)
+_POLY = "a non-empty array of finite numbers (polynomial coefficients, highest power first)"
+_EXPERTS = "an object mapping each expert's name to its coefficients"
+
+
+def check_profile(d, path: str) -> PolyProfile:
+    """The PolyProfile of a parsed profile file, every field checked as
+    `python -m sampling.calibrate` writes it: coefficients and signal are required; threshold,
+    warmup, source, the fitted rel ranges (null: not known) and the per-expert fits may be left
+    out; r2, points and experts_r2 (what the fit reported) are checked where present. Other keys
+    (the `budget` block of a budget profile) are not this format's. FieldError otherwise."""
+    if not isinstance(d, dict):
+        raise FieldError(f"holds a JSON {json_type(d)}; expected an object, as "
+                         "`python -m sampling.calibrate` writes it")
+    coefficients = _coefficients(d.get("coefficients", MISSING), "coefficients")
+    signal = json_str(d.get("signal", MISSING), "signal", choices=SIGNALS)
+    threshold = json_number(d.get("threshold", 0.15), "threshold", minimum=0.0)
+    warmup = json_int(d.get("warmup", 1), "warmup", minimum=0)
+    source = json_str(d.get("source", path), "source")
+    experts = {name: _coefficients(value, at_key("experts", name)) for name, value in
+               _named(d.get("experts", {}), "experts", _EXPERTS).items()}
+    # profiles written before the fitted range was recorded load without one
+    rel_range = _range(d["rel_range"], "rel_range") if d.get("rel_range") is not None else None
+    expert_ranges = {}
+    for name, value in _named(d.get("experts_rel_range", {}), "experts_rel_range",
+                              "an object mapping each expert's name to its fitted rel range"
+                              ).items():
+        where = at_key("experts_rel_range", name)
+        if name not in experts:
+            refuse_field(where, value, f"a range only for an expert with coefficients under "
+                                       f"experts (has: {', '.join(map(repr, experts)) or 'none'})")
+        expert_ranges[name] = _range(value, where)
+    if "r2" in d:
+        json_number(d["r2"], "r2")
+    if "points" in d:
+        json_int(d["points"], "points", minimum=1)
+    for name, value in _named(d.get("experts_r2", {}), "experts_r2",
+                              "an object mapping each expert's name to its fit's R^2").items():
+        json_number(value, at_key("experts_r2", name))
+    return PolyProfile(coefficients, signal, threshold, warmup, source, experts, rel_range,
+                       expert_ranges)
+
+
+def _coefficients(value, where: str) -> tuple[float, ...]:
+    return tuple(json_number(c, f"{where}[{i}]")
+                 for i, c in enumerate(json_list(value, where, _POLY, min_length=1)))
+
+
+def _named(value, where: str, expected: str) -> dict:
+    """An object keyed by expert names (non-empty strings)."""
+    for name in json_object(value, where, expected):
+        if not name:
+            refuse_field(at_key(where, name), value[name], "a non-empty expert name as its key")
+    return value
+
+
+def _range(value, where: str) -> tuple[float, float]:
+    """A fitted range [low, high] of rel values: 0 <= low <= high, both finite."""
+    expected = "[low, high], the rel values the fit saw: finite, 0 <= low <= high"
+    low, high = (json_number(v, f"{where}[{i}]", minimum=0.0, expected=expected)
+                 for i, v in enumerate(json_list(value, where, expected, length=2)))
     if not low <= high:
-        raise ValueError(f"a fitted range [low, high] needs low <= high, got {list(values)}")
+        refuse_field(where, value, expected)
     return low, high
 
 

@@ -22,9 +22,25 @@ With 3 draws t is 2.92, so a configuration whose errors spread by a factor 1.5 p
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
+
+from cache.flags import config_from_fields
+from cache.validate import (
+    MISSING,
+    ConfigError,
+    FieldError,
+    json_int,
+    json_list,
+    json_number,
+    json_object,
+    json_str,
+    json_type,
+    read_json,
+    refuse_field,
+)
+
+from .schedulers import SOLVERS
 
 FORMAT = 2  # the profile's "budget" block; 1 was the TeaCache-only threshold curve
 
@@ -105,9 +121,10 @@ def _log_stats(errors):
 
 def pooled_spread(candidates) -> float:
     """The spread of log errors between draws, pooled over the configurations that reused on
-    every draw (one that reused nothing on a draw has no log error there)."""
+    every draw and stayed finite (one that reused nothing on a draw has no log error there, one
+    that diverged none that means anything)."""
     variances = [_log_stats(c["rel_l2"])[1] ** 2 for c in candidates
-                 if len(c["rel_l2"]) > 1 and min(c["rel_l2"]) > 0]
+                 if len(c["rel_l2"]) > 1 and all(0.0 < e < math.inf for e in c["rel_l2"])]
     return math.sqrt(sum(variances) / len(variances)) if variances else 0.0
 
 
@@ -129,31 +146,81 @@ def bounds(candidates) -> list[float]:
 
 
 def load(profile_path: str) -> dict:
-    """The profile's budget block, checked."""
+    """The profile's budget block, checked field by field (check); BudgetError, one line naming
+    the file and the field, otherwise."""
     try:
-        with open(profile_path) as f:
-            profile = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise BudgetError(f"--budget_profile {profile_path}: cannot read it ({exc})") from None
-    budget = profile.get("budget") if isinstance(profile, dict) else None
-    if not isinstance(budget, dict) or budget.get("format") != FORMAT:
-        older = isinstance(profile, dict) and "budget_curve" in profile
-        raise BudgetError(
-            f"--budget_profile {profile_path}: expected a budget measured by `python -m "
-            f"sampling.calibrate --budget` (format {FORMAT})"
-            + ("; this one holds the older TeaCache-only threshold curve, calibrate again"
-               if older else ""))
-    candidates = budget.get("candidates") or []
-    draws = len(budget.get("seeds") or [])
-    for c in candidates:
-        if len(c.get("rel_l2", ())) != draws or len(c.get("computed", ())) != draws:
-            raise BudgetError(f"--budget_profile {profile_path}: configuration {c.get('label')!r}"
-                              f" has {len(c.get('rel_l2', ()))} errors for {draws} draws")
-    if not candidates or draws < 2:
-        raise BudgetError(f"--budget_profile {profile_path}: expected at least one configuration "
-                          f"measured on at least 2 draws (the bound needs a spread), got "
-                          f"{len(candidates)} on {draws}")
+        return check(read_json(profile_path))
+    except FieldError as exc:
+        raise BudgetError(f"--budget_profile {profile_path}: {exc}") from None
+
+
+def check(profile) -> dict:
+    """The budget block of a parsed profile, every field checked as `python -m sampling.calibrate
+    --budget` writes it (budget_block): format, model, seeds, steps and candidates are required
+    (what a run reads); solver, shift and pooled_log_spread, a record of the calibration, are
+    checked where present. Each candidate's rel_l2 holds one error per draw, >= 0, or NaN or
+    Infinity where the run diverged (choose leaves such a configuration out); computed one
+    fraction per draw in [0, 1]; config a partial CMConfig that builds. FieldError otherwise."""
+    if not isinstance(profile, dict):
+        raise FieldError(f"holds a JSON {json_type(profile)}; expected an object holding the "
+                         "budget that `python -m sampling.calibrate --budget` writes")
+    budget = profile.get("budget", MISSING)
+    if budget is MISSING or not isinstance(budget, dict):
+        older = "budget_curve" in profile
+        refuse_field("budget", budget, f"the budget measured by `python -m sampling.calibrate "
+                                       f"--budget` (an object, format {FORMAT})"
+                     + ("; this one holds the older TeaCache-only threshold curve, calibrate "
+                        "again" if older else ""))
+    version = budget.get("format", MISSING)
+    if not (type(version) is int and version == FORMAT):
+        refuse_field("budget.format", version,
+                     f"{FORMAT} (the budget format `python -m sampling.calibrate --budget` "
+                     "writes); calibrate again")
+    seeds = json_list(budget.get("seeds", MISSING), "budget.seeds",
+                      "the seeds of at least 2 draws (the bound needs a spread)", min_length=2)
+    for i, seed in enumerate(seeds):
+        json_int(seed, f"budget.seeds[{i}]")
+    if len(set(seeds)) != len(seeds):
+        refuse_field("budget.seeds", seeds, "distinct seeds, one per draw")
+    draws = len(seeds)
+    candidates = json_list(budget.get("candidates", MISSING), "budget.candidates",
+                           "a non-empty array of measured configurations", min_length=1)
+    for i, c in enumerate(candidates):
+        _check_candidate(c, f"budget.candidates[{i}]", draws)
+    json_str(budget.get("model", MISSING), "budget.model")
+    json_int(budget.get("steps", MISSING), "budget.steps", minimum=1)
+    if "solver" in budget:
+        json_str(budget["solver"], "budget.solver", choices=SOLVERS)
+    if "shift" in budget:
+        json_number(budget["shift"], "budget.shift", above=0.0)
+    if "pooled_log_spread" in budget:
+        json_number(budget["pooled_log_spread"], "budget.pooled_log_spread", minimum=0.0)
     return budget
+
+
+def _check_candidate(c, where: str, draws: int) -> None:
+    json_object(c, where, "an object: label, config, rel_l2, computed")
+    json_str(c.get("label", MISSING), f"{where}.label")
+    fields = json_object(c.get("config", MISSING), f"{where}.config",
+                         "an object, a partial CMConfig as a preset gives one")
+    try:
+        config_from_fields(fields)
+    except ConfigError as exc:
+        raise FieldError(f"{where}.config: {exc}") from None
+    errors = json_list(c.get("rel_l2", MISSING), f"{where}.rel_l2",
+                       f"{draws} relative L2 errors, one per draw of budget.seeds", length=draws)
+    for k, e in enumerate(errors):
+        # NaN or Infinity: the configuration diverged on that draw (calibrate writes it so)
+        if not (isinstance(e, int | float) and not isinstance(e, bool)
+                and (math.isnan(e) or e >= 0.0)):
+            refuse_field(f"{where}.rel_l2[{k}]", e, "a relative L2 error >= 0 (NaN or Infinity "
+                                                    "where the run diverged)")
+    fractions = json_list(c.get("computed", MISSING), f"{where}.computed",
+                          f"{draws} computed fractions, one per draw of budget.seeds",
+                          length=draws)
+    for k, f in enumerate(fractions):
+        json_number(f, f"{where}.computed[{k}]", minimum=0.0, maximum=1.0,
+                    expected="the fraction of block evaluations computed, in [0, 1]")
 
 
 def choose(budget: dict, *, rel_err: float | None = None,

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from cache import CMConfig, TeaCacheConfig
-from cache.teacache_profiles import SIGNALS
+from cache.teacache_profiles import SIGNALS, check_profile
+from cache.validate import FieldError
 from modules import ops
 from modules.checkpoint import CheckpointError
 from modules.layers import ModelConfigError
@@ -249,6 +250,16 @@ def format_summary(report: dict) -> str:
 
 
 def _write(path, profile):
+    """Write the profile, once the loaders would take it back (`--teacache_policy poly:`, and
+    `--budget_profile` with the budget): a fit that is not finite is refused, not written."""
+    written = json.loads(json.dumps(profile))  # what the loaders will parse
+    try:
+        check_profile(written, path)
+        if "budget" in written:
+            budget.check(written)
+    except FieldError as exc:
+        raise StageFileError(f"--out {path}: the calibration gave a profile its loader would "
+                             f"refuse ({exc}); not written") from None
     try:
         atomic_write(path, lambda f: json.dump(profile, f, indent=1))
     except OSError as exc:

@@ -58,7 +58,7 @@ def test_fit_recovers_a_known_polynomial():
 def test_a_bad_profile_file_is_a_config_error(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text('{"signal": "modulated_input"}')
-    with pytest.raises(ConfigError, match="expected the JSON"):
+    with pytest.raises(ConfigError, match="coefficients is missing: expected a non-empty array"):
         TeaCacheConfig(policy=f"poly:{path}")
     with pytest.raises(ConfigError, match="calibrated profile file"):
         TeaCacheConfig(policy=f"poly:{tmp_path / 'missing.json'}")
