@@ -2,8 +2,10 @@
 
 Loading reads the safetensors headers first and checks every key and shape against a model
 built on the meta device, so a wrong family, a missing shard or a mis-shaped tensor fails in
-seconds with one error that lists everything, before any tensor data is read. Tensors are then
-read one by one, cast, and assigned into the meta model: no second full copy in memory.
+seconds with one error that lists everything, before any tensor data is read. The headers are
+checked as strictly as the safetensors format (nothing the library would refuse mid-load gets
+past them). Tensors are then read one by one, cast, checked finite, and assigned into the meta
+model: no second full copy in memory. Every CheckpointError message is one line.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
            "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 # One key that only this family and layout has.
 _MARKERS = {
@@ -73,43 +76,132 @@ class TensorInfo:
 
 # --- files and headers -------------------------------------------------------------------------
 
-def read_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse and validate one safetensors header; truncated or corrupt files raise."""
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, no header)")
-        (length,) = struct.unpack("<Q", head)
-        if length > size - 8:
-            raise CheckpointError(f"{file}: not a safetensors file or truncated (header says "
-                                  f"{length} header bytes, the file has {size})")
-        try:
-            header = json.loads(fh.read(length))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{file}: corrupt safetensors header ({err})") from None
+# The safetensors library refuses headers over 100 MB; so do we, before reading one into memory.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def _brief(value, limit: int = 60) -> str:
+    """repr() cut to one short line: header values come from the file and may be huge."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_size(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _unique_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
+
+
+def _parse_header(file: Path, raw: bytes) -> dict:
+    try:
+        text = raw.decode("utf-8")  # json.loads(bytes) would also take UTF-16/32; the format does not
+    except UnicodeDecodeError as err:
+        raise CheckpointError(f"{file}: corrupt safetensors header (not valid UTF-8: {err})") from None
+    try:
+        header = json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise CheckpointError(f"{file}: corrupt safetensors header (JSON nested too deep)") from None
+    except ValueError as err:  # JSONDecodeError or a duplicate key
+        raise CheckpointError(f"{file}: corrupt safetensors header ({err})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
-    data_bytes = size - 8 - length
-    tensors = {}
+    meta = header.get("__metadata__")
+    if meta is not None:
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{file}: __metadata__ is {_brief(meta)}; expected a map of "
+                                  "strings to strings")
+        for key, value in meta.items():
+            if not isinstance(value, str):
+                raise CheckpointError(f"{file}: __metadata__ {key!r} is {_brief(value)}; expected "
+                                      "a map of strings to strings")
+    return header
+
+
+def _entry(file: Path, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], int, int]:
+    where = f"{file}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: header entry {_brief(entry)}; expected an object with "
+                              "dtype, shape and data_offsets")
+    code = entry.get("dtype")
+    dtype = _DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise CheckpointError(f"{where}: dtype {_brief(code)}; expected one of {sorted(_DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_size(n) for n in shape):
+        raise CheckpointError(f"{where}: shape {_brief(shape)}; expected a list of integers >= 0")
+    offsets = entry.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_size(n) for n in offsets):
+        raise CheckpointError(f"{where}: data_offsets {_brief(offsets)}; expected [begin, end], "
+                              "integers >= 0")
+    begin, end = offsets
+    if end < begin:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(f"{where} {_brief(shape)} {code} should take {nbytes} bytes, the header "
+                              f"gives {end - begin}")
+    return dtype, tuple(shape), begin, end
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and validate one safetensors header as strictly as the safetensors library does, so
+    that nothing it would refuse passes here and fails mid-load: header length within the file
+    and the format's limit, UTF-8 JSON object with no duplicate key, __metadata__ a str -> str
+    map, each tensor a known dtype with dims >= 0 and numel * itemsize data bytes, and the
+    tensors' byte ranges contiguous from 0 to the end of the file (no overlap, gap or trailer)."""
+    file = Path(file)
+    if not file.is_file():  # a folder (or a device) named *.safetensors
+        raise CheckpointError(f"{file}: not a regular file; expected a safetensors file")
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{file}: not a safetensors file ({size} bytes, no header)")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                raise CheckpointError(f"{file}: not a safetensors file or truncated (header says "
+                                      f"{length} header bytes, the file has {size})")
+            if length > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{file}: not a safetensors file (header length {length} "
+                                      f"bytes; the format allows at most {MAX_HEADER_BYTES})")
+            raw = fh.read(length)
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot be read ({err.strerror or err})") from None
+    header = _parse_header(file, raw)
+    tensors, spans = {}, {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _DTYPES[entry["dtype"]]
-            shape = tuple(int(n) for n in entry["shape"])
-            begin, end = (int(n) for n in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: corrupt safetensors header entry for {name!r}: "
-                                  f"{entry!r}") from None
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise CheckpointError(f"{file}: tensor {name!r} {list(shape)} {entry['dtype']} "
-                                  f"should take {math.prod(shape) * dtype.itemsize} bytes, "
-                                  f"the header gives {end - begin}")
-        if end > data_bytes:
-            raise CheckpointError(f"{file}: truncated: tensor {name!r} ends at data byte {end}, "
-                                  f"the file holds {data_bytes} data bytes")
+        dtype, shape, begin, end = _entry(file, name, entry)
         tensors[name] = TensorInfo(file, dtype, shape, name)
+        spans[name] = (begin, end)
+    data_bytes = size - 8 - length
+    pos, last = 0, None
+    for name, (begin, end) in sorted(spans.items(), key=lambda item: item[1]):
+        if begin < pos:
+            raise CheckpointError(f"{file}: tensor {name!r} data bytes [{begin}, {end}) overlap "
+                                  f"tensor {last!r}, which ends at {pos}; expected contiguous "
+                                  "tensors")
+        if begin > pos:
+            raise CheckpointError(f"{file}: tensor {name!r} starts at data byte {begin}, "
+                                  f"{begin - pos} bytes after the previous tensor ends; expected "
+                                  "contiguous tensors")
+        pos, last = end, name
+    if pos > data_bytes:
+        raise CheckpointError(f"{file}: truncated: tensor {last!r} ends at data byte {pos}, the "
+                              f"file holds {data_bytes} data bytes")
+    if pos < data_bytes:
+        raise CheckpointError(f"{file}: {data_bytes - pos} trailing bytes after the last tensor "
+                              f"(the tensors end at data byte {pos}, the file holds {data_bytes}); "
+                              "expected the tensors to cover the file exactly")
     return tensors
 
 
@@ -134,11 +226,16 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
         return files
     if path.name.endswith(".json"):
         try:
-            weight_map = json.loads(path.read_text())["weight_map"]
+            weight_map = json.loads(path.read_bytes().decode("utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or \
+                    not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError(f"weight_map is {_brief(weight_map)}, not a map of names to files")
             names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        except (ValueError, KeyError, TypeError, RecursionError) as err:  # ValueError: JSON, UTF-8
             raise CheckpointError(f"{path}: not a safetensors index (expected a JSON object "
-                                  f"with a weight_map; {err})") from None
+                                  f"with a weight_map; {type(err).__name__}: {err})") from None
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
         files = [path.parent / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -372,12 +469,47 @@ def _check_against(model: nn.Module, shapes: dict[str, tuple], where: str) -> No
     misshaped = sorted(f"{k}: checkpoint {list(shapes[k])}, model {list(expected[k])}"
                        for k in set(expected) & set(shapes) if tuple(shapes[k]) != expected[k])
     if missing or unexpected or misshaped:
+        # one line (the commands print errors as one): counts and the first few names of each kind
         def listing(title, items):
-            more = f" (+{len(items) - 20} more)" if len(items) > 20 else ""
-            return f"\n  {title} ({len(items)}): " + ", ".join(items[:20]) + more if items else ""
-        raise CheckpointError(f"{where} does not fit the model:"
-                              + listing("missing", missing) + listing("unexpected", unexpected)
-                              + listing("mis-shaped", misshaped))
+            more = f" (+{len(items) - 5} more)" if len(items) > 5 else ""
+            return f"{title} ({len(items)}): " + ", ".join(items[:5]) + more
+        kinds = [("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)]
+        raise CheckpointError(f"{where} does not fit the model: "
+                              + "; ".join(listing(t, items) for t, items in kinds if items))
+
+
+# float8 has no aminmax kernel: it is checked as float32 in steps of this many elements, which
+# bounds that copy to 16 MB.
+_FLOAT8_STEP = 1 << 22
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite (True for integer and empty tensors). min and max
+    propagate NaN and are infinite when any element is, so one aminmax pass decides it with no
+    scratch copy (torch.isfinite builds |x| and two masks, and ran 20-25x slower on CPU)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    if tensor.element_size() == 1:
+        parts = (part.float() for part in tensor.reshape(-1).split(_FLOAT8_STEP))
+    else:
+        parts = (tensor,)
+    for part in parts:
+        low, high = torch.aminmax(part)
+        if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+            return False
+    return True
+
+
+def nonfinite_message(where: str, stored: torch.Tensor, dtype: torch.dtype) -> str:
+    """Why a weight that failed all_finite after loading as `dtype` is unusable: non-finite in
+    the file, or finite there but beyond `dtype`'s range."""
+    values = stored.float() if stored.element_size() == 1 else stored
+    nan, inf = int(values.isnan().sum()), int(values.isinf().sum())
+    if nan or inf:
+        return (f"{where} holds {nan} NaN and {inf} Inf of {values.numel()} values; a non-finite "
+                "weight makes every output NaN")
+    return (f"{where} has values up to {values.abs().max().item():.3g}, beyond {dtype}'s range; "
+            "load it in a wider dtype")
 
 
 def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None,
@@ -403,17 +535,29 @@ def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | Non
     metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in headers.items()}
     converted = from_layout(family.name, metas, layout)
     _check_against(model, {k: tuple(v.shape) for k, v in converted.items()}, str(path))
+    officials = {name: _official_name(family, name, layout) for name in headers}
+    expected = {k: v.dtype for k, v in model.state_dict().items()}
+    for name, info in headers.items():
+        # a name from_layout merges (the refiner's split q/k/v) has no entry of its own: a float too
+        want = expected.get(officials[name], torch.float32)
+        if want.is_floating_point and not info.dtype.is_floating_point:
+            raise CheckpointError(f"{info.file}: tensor {info.stored!r} is {_CODES[info.dtype]}; "
+                                  f"expected a float weight (the model holds it as {want})")
 
     state = {}
     for file in [] if meta else files:
         with safe_open(str(file), framework="pt", device="cpu") as fh:
             for name, info in headers.items():
                 if info.file == file:  # cast one tensor at a time: peak memory = model + 1 tensor
-                    official = _official_name(family, name, layout)
-                    state[name] = _cast(fh.get_tensor(info.stored), family, official, dtype)
+                    value = _cast(fh.get_tensor(info.stored), family, officials[name], dtype)
+                    # checked as loaded, so a NaN or overflowing weight never reaches a run
+                    if not all_finite(value):
+                        raise CheckpointError(nonfinite_message(
+                            f"{file}: tensor {info.stored!r}", fh.get_tensor(info.stored),
+                            value.dtype))
+                    state[name] = value
     if meta:
-        state = {name: _cast(metas[name], family, _official_name(family, name, layout), dtype)
-                 for name in headers}
+        state = {name: _cast(metas[name], family, officials[name], dtype) for name in headers}
     state = from_layout(family.name, state, layout)
     model.load_state_dict(state, strict=True, assign=True)
     info = {"family": family.name, "layout": layout, "files": [str(f) for f in files],

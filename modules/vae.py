@@ -16,8 +16,11 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+from modules.checkpoint import CheckpointError, all_finite, nonfinite_message, read_header
 
 
 class VaeError(ValueError):
@@ -154,10 +157,15 @@ def _load_folder(spec, path, dtype):
         if not weights:
             raise VaeError(f"--vae_path {path} holds no weights; expected "
                            "diffusion_pytorch_model.safetensors next to config.json")
+        for name in weights:
+            if name.endswith(".safetensors"):
+                _check_header(os.path.join(path, name))
         try:
             vae = _diffusers_class(spec).from_pretrained(path, torch_dtype=dtype)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise VaeError(f"--vae_path {path}: diffusers could not load it: {exc}") from None
+            raise VaeError(f"--vae_path {path}: diffusers could not load it: {_one_line(exc)}") from None
+        for key, value in vae.state_dict().items():  # diffusers checks neither dtype nor values
+            _check_weight(path, key, value, value)
         return vae.eval()
     # An official release folder (e.g. HunyuanVideo-1.5 vae/): its weights, the released config.
     if len(weights) != 1:
@@ -170,7 +178,41 @@ def _load_folder(spec, path, dtype):
     return _load_file(spec, os.path.join(path, weights[0]), base, dtype)
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's text as one line (the commands print errors as one)."""
+    text = str(exc)
+    # torch.load(weights_only=True) wraps the reason in a paragraph of advice: keep the reason
+    reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", text, re.S)
+    return " ".join((reason.group(1) if reason else text).split())
+
+
+def _check_header(path):
+    """The DiT loader's header check (as strict as the safetensors format) for a VAE file."""
+    try:
+        read_header(Path(path))
+    except CheckpointError as exc:
+        raise VaeError(f"--vae_path {exc}") from None
+
+
+def _check_weight(path, key, stored, value):
+    """`value` (`stored` as loaded in the run's dtype) is a finite float weight."""
+    if not value.is_floating_point():
+        raise VaeError(f"--vae_path {path}: tensor {key!r} is {value.dtype}; expected a float "
+                       "weight")
+    if not all_finite(value):
+        raise VaeError("--vae_path " + nonfinite_message(f"{path}: tensor {key!r}", stored,
+                                                         value.dtype))
+
+
+def _cast_checked(path, key, stored, dtype):
+    value = stored.to(dtype) if stored.is_floating_point() else stored
+    _check_weight(path, key, stored, value)
+    return value
+
+
 def _read_state_dict(path):
+    if path.endswith(".safetensors"):
+        _check_header(path)  # the library's refusals name no tensor and pass integer dtypes
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
@@ -178,12 +220,18 @@ def _read_state_dict(path):
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
-        raise VaeError(f"--vae_path {path} is not a readable checkpoint: {exc}") from None
+        raise VaeError(f"--vae_path {path} is not a readable checkpoint ({type(exc).__name__}: "
+                       f"{_one_line(exc)})") from None
     for key in ("state_dict", "model"):  # training checkpoints wrap the weights
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise VaeError(f"--vae_path {path} does not hold a flat dict of tensors")
+    if not isinstance(state, dict):
+        raise VaeError(f"--vae_path {path} holds an object of type {type(state).__name__}; "
+                       "expected a state dict (a flat dict of tensors)")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise VaeError(f"--vae_path {path}: entry {key!r} is of type {type(value).__name__}; "
+                           "expected a state dict (a flat dict of tensors)")
     return state
 
 
@@ -197,16 +245,20 @@ def _load_file(spec, path, config, dtype):
     cls = _diffusers_class(spec)
     with torch.device("meta"):
         vae = cls(**config)
-    missing, unexpected = _key_diff(vae.state_dict(), state)
-    if missing or unexpected:
+    expected = vae.state_dict()
+    missing, unexpected = _key_diff(expected, state)
+    misshaped = [f"{k}: checkpoint {list(state[k].shape)}, model {list(expected[k].shape)}"
+                 for k in sorted(set(expected) & set(state)) if state[k].shape != expected[k].shape]
+    if missing or unexpected or misshaped:
         raise VaeError(f"--vae_path {path} does not fit the {spec.name}: missing "
                        f"{len(missing)} keys {missing[:4]}, unexpected {len(unexpected)} "
-                       f"{unexpected[:4]}")
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+                       f"{unexpected[:4]}, mis-shaped {len(misshaped)} {misshaped[:4]}")
+    for key in sorted(state):  # in place: each stored tensor is freed as its cast replaces it
+        state[key] = _cast_checked(path, key, state[key], dtype)
     try:
         vae.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # shapes
-        raise VaeError(f"--vae_path {path} does not fit the {spec.name}: {exc}") from None
+    except RuntimeError as exc:
+        raise VaeError(f"--vae_path {path} does not fit the {spec.name}: {_one_line(exc)}") from None
     return vae.eval()
 
 
