@@ -99,10 +99,12 @@ def as_int(label: str, value, *, minimum: int | None = None, maximum: int | None
 
 
 def as_number(label: str, value, *, minimum: float | None = None, above: float | None = None,
-              expected: str | None = None) -> float:
-    """`value` as a finite float, >= minimum and > above where given, else UsageError."""
+              maximum: float | None = None, expected: str | None = None) -> float:
+    """`value` as a finite float, >= minimum, > above and <= maximum where given, else
+    UsageError."""
     bounds = ([f">= {minimum:g}"] if minimum is not None else []) + \
-        ([f"> {above:g}"] if above is not None else [])
+        ([f"> {above:g}"] if above is not None else []) + \
+        ([f"<= {maximum:g}"] if maximum is not None else [])
     want = expected or ("a finite number" + (" " + " and ".join(bounds) if bounds else ""))
     number = None
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -113,6 +115,7 @@ def as_number(label: str, value, *, minimum: float | None = None, above: float |
         except ValueError:
             pass
     if number is None or not math.isfinite(number) or \
-            (minimum is not None and number < minimum) or (above is not None and number <= above):
+            (minimum is not None and number < minimum) or (above is not None and number <= above) \
+            or (maximum is not None and number > maximum):
         raise UsageError(f"{label} {_shown(value)}: expected {want}")
     return number

@@ -61,6 +61,7 @@ class Backend(Protocol):
     def activate(self, expert) -> None: ...  # the expert about to run (model offload)
     def release(self) -> None: ...  # sampling ended (offloaded weights go back to the host)
     def device_name(self) -> str: ...
+    def platform(self) -> str: ...  # "cpu", "tpu", "gpu", "cuda", "npu"
 
 
 @dataclass

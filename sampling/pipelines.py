@@ -38,6 +38,8 @@ class TensorSpec:
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     required: bool = True
     doc: str = ""
+    most: tuple[int | None, ...] | None = None  # upper bounds of the shape's free (None) sizes
+    needs_token: bool = False  # a mask: every row marks at least one valid token
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,8 @@ class Pipeline:
         if self.family == "hunyuan_video15":
             for p in neg:
                 specs[f"{p}prompt_embeds"] = TensorSpec((1, cfg.text_len, cfg.text_dim), doc="MLLM")
-                specs[f"{p}prompt_embeds_mask"] = TensorSpec((1, cfg.text_len), MASK_DTYPES)
+                specs[f"{p}prompt_embeds_mask"] = TensorSpec((1, cfg.text_len), MASK_DTYPES,
+                                                             needs_token=True)
                 specs[f"{p}prompt_embeds_2"] = TensorSpec((1, cfg.byt5_len, cfg.byt5_dim), doc="byT5")
                 specs[f"{p}prompt_embeds_mask_2"] = TensorSpec((1, cfg.byt5_len), MASK_DTYPES)
             if image:
@@ -139,7 +142,8 @@ class Pipeline:
                 specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
         else:
             for p in neg:
-                specs[f"{p}prompt_embeds"] = TensorSpec((1, None, cfg.text_dim), doc="umT5")
+                specs[f"{p}prompt_embeds"] = TensorSpec((1, None, cfg.text_dim), doc="umT5",
+                                                        most=(None, cfg.text_len, None))
             if self.task == "s2v":
                 specs.update(self._s2v_specs(latent_shape))
             elif self.task == "i2v":

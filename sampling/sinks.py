@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
+import threading
 from collections import defaultdict
 
 
@@ -94,9 +94,23 @@ def write_tensorboard(logdir: str, trace, num_steps: int, tag: str = "cache") ->
     """Per-step scalars (rel, rescaled, accumulator, signals, computed 0/1) per branch, and the
     rel histograms per branch and third. Returns the event file's folder."""
     SummaryWriter = require_tensorboard()
+    # tensorboard writes from a thread of its own; a failure there (a full disk) would print
+    # that thread's traceback and leave the writer silent: keep it and raise it here
+    failed: list[BaseException] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: failed.append(args.exc_value)
+    try:
+        _write_events(SummaryWriter(log_dir=logdir), trace, num_steps, tag)
+    finally:
+        threading.excepthook = hook
+    if failed:
+        raise failed[0]
+    return logdir
+
+
+def _write_events(writer, trace, num_steps: int, tag: str) -> None:
     import numpy as np
 
-    writer = SummaryWriter(log_dir=logdir)
     try:
         for row in trace:
             prefix = f"{tag}/{row['branch']}" + (f"/{row['expert']}" if row.get("expert") else "")
@@ -114,7 +128,6 @@ def write_tensorboard(logdir: str, trace, num_steps: int, tag: str = "cache") ->
                                  THIRDS.index(third))
     finally:
         writer.close()
-    return logdir
 
 
 def plot_traces(traces: dict, path, thresholds: dict | None = None):

@@ -49,6 +49,7 @@ from .stage_io import (
     LATENTS,
     STAGE3_FIELDS,
     StageFileError,
+    check_distinct,
     check_writable,
     check_writable_file,
     read_config,
@@ -60,6 +61,78 @@ from .stages import SignalPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEED = 42
+# CFG scales in use are 1-10; far above, cond - uncond is amplified until the latents overflow
+MAX_GUIDANCE = 100.0
+MAX_STEPS = 1000  # schedules in use take 4-100 steps; each step keeps a trace row and timings
+MAX_TOKENS = 1 << 20
+
+
+class OutputError(RuntimeError):
+    """Sampling finished with latents that are not finite: nothing is written."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB"
+
+
+def _hidden_bytes(pipe, tokens: int) -> int:
+    dim = getattr(pipe.config, "dim", None) or pipe.config.hidden_size
+    return tokens * dim * 4
+
+
+def _check_host_memory(r, backend, args) -> None:
+    """On the host CPU, refuse a size whose attention would not fit in the memory there (JAX's
+    CPU attention holds every score; torch's CPU kernels stream them), before any compile."""
+    if backend.platform() != "cpu":
+        return
+    pipe = r["pipe"]
+    tokens = pipe.tokens(r["latent_shape"])
+    heads = pipe.config.num_heads
+    batch = 2 if r["config"].cfg_mode == "fused" else 1
+    scores = batch * heads * tokens ** 2 * 4 if args.backend == "jax" else 0
+    need = scores + 12 * batch * _hidden_bytes(pipe, tokens)  # a block's working set
+    free = _available_memory()
+    if free is not None and need > free:
+        h, w, f = r["size"]
+        raise UsageError(f"--height {h} --width {w} --video_length {f}: {tokens:,} tokens need "
+                         f"about {_gib(need)} on the host CPU ({_gib(scores)} of attention "
+                         f"scores); this host has {_gib(free)} available: expected a smaller "
+                         "size")
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_finite(latents, r, args) -> None:
+    """Non-finite latents are an error, with what most likely caused them (weights were checked
+    at load, stage-1 tensors and guidance when read)."""
+    bad = int((~torch.isfinite(latents)).sum())
+    if not bad:
+        return
+    causes = []
+    guidance = r["guidance"] if r["guidance"] is not None else r["pipe"].guidance
+    scales = guidance if isinstance(guidance, tuple) else (guidance,)
+    if max(scales) > 20:
+        causes.append(f"guidance {guidance} (usual: 1-10)")
+    peak = max((float(t.abs().max()) for t in r["tensors"].values()
+                if t.is_floating_point() and t.numel()), default=0.0)
+    if peak > 1e3:
+        causes.append(f"stage-1 values up to {peak:.3g} (encoders give ~1-1e3)")
+    if r["dtype"] == torch.bfloat16:
+        causes.append("bf16 overflow (try --dtype fp32)")
+    if not causes:
+        causes.append("the checkpoint or the sampler settings (steps, shift)")
+    raise OutputError(f"sampling gave non-finite latents ({bad:,} of {latents.numel():,} values "
+                      f"NaN or Inf); likely cause: {'; '.join(causes)}; nothing was written, and "
+                      "files of earlier runs are as they were")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,7 +226,7 @@ def _guidance(text, pipe, label: str = "--guidance_scale"):
         return None
     if isinstance(text, list | tuple):  # a (low, high) pair read back from a config file
         text = ",".join(str(v) for v in text)
-    want = "a number >= 0" + (" or 'low,high'" if pipe.moe else "")
+    want = f"a number in [0, {MAX_GUIDANCE:g}]" + (" or 'low,high'" if pipe.moe else "")
     try:
         values = tuple(float(v) for v in str(text).split(","))
     except ValueError:
@@ -161,7 +234,7 @@ def _guidance(text, pipe, label: str = "--guidance_scale"):
     if len(values) not in ((1, 2) if pipe.moe else (1,)):
         raise UsageError(f"{label} {text!r}: expected {want}")
     for v in values:
-        as_number(label, v, minimum=0.0, expected=want)
+        as_number(label, v, minimum=0.0, maximum=MAX_GUIDANCE, expected=want)
     return values if len(values) == 2 else values[0]
 
 
@@ -314,7 +387,7 @@ def resolve(args) -> dict:
     _check_blocks(config, pipe, args)
     value, label = _pick("--num_inference_steps", args.num_inference_steps, stage1,
                          "num_inference_steps", pipe.steps, source)
-    steps = as_int(label, value, minimum=1)
+    steps = as_int(label, value, minimum=1, maximum=MAX_STEPS)
     shift = as_number("--sample_shift", args.sample_shift if args.sample_shift is not None
                       else pipe.shift, above=0.0, expected="a finite number > 0 (1.0 = no shift)")
     if budget is not None and budget["calibrated_steps"] != steps:
@@ -343,6 +416,13 @@ def resolve(args) -> dict:
         latent_shape = pipe.latent_shape(*size)
     except SizeError as exc:
         raise UsageError(f"{labels[exc.name]} {exc.value}: expected {exc.expected}") from None
+    tokens = pipe.tokens(latent_shape)
+    if tokens > MAX_TOKENS:
+        raise UsageError(
+            f"{labels['height']} {size[0]}, {labels['width']} {size[1]}, {labels['video_length']} "
+            f"{size[2]}: {tokens:,} tokens per model call ({_gib(_hidden_bytes(pipe, tokens))} "
+            f"for one hidden state of the {pipe.name} model); expected at most {MAX_TOKENS:,} "
+            "(9x HunyuanVideo-1.5 720p)")
     g_values = [pipe.guidance_for(e, guidance) for e, _ in pipe.experts]
     cfg_on = any(g != 1.0 for g in g_values)
     if config.cfg_mode == "fused" and 1.0 in g_values:
@@ -382,6 +462,20 @@ def _check_outputs(args) -> str:
     check_writable(output_dir, "--output_dir", (LATENTS, CONFIG))
     for flag in ("telemetry_json", "telemetry_csv", "plot_png"):
         check_writable_file(f"--{flag}", getattr(args, flag))
+    policy = getattr(args, "teacache_policy", None) or ""
+    inputs = {"--model_path": args.model_path, "--budget_profile": args.budget_profile,
+              "--teacache_policy": policy.removeprefix("poly:")
+              if policy.startswith("poly:") and policy.endswith(".json") else None}
+    if args.input_dir is not None:
+        inputs[f"--input_dir {EMBEDDINGS}"] = os.path.join(args.input_dir, EMBEDDINGS)
+        if os.path.realpath(args.input_dir) != os.path.realpath(output_dir):
+            # (in one folder, the config is read and then replaced, by design)
+            inputs[f"--input_dir {CONFIG}"] = os.path.join(args.input_dir, CONFIG)
+    outputs = {f"its {LATENTS} (--output_dir)": os.path.join(output_dir, LATENTS),
+               f"its {CONFIG} (--output_dir)": os.path.join(output_dir, CONFIG),
+               **{f"--{flag}": getattr(args, flag)
+                  for flag in ("telemetry_json", "telemetry_csv", "plot_png")}}
+    check_distinct(outputs, inputs)
     if args.tensorboard_dir is not None:
         check_writable(args.tensorboard_dir, "--tensorboard_dir")
         require_tensorboard()
@@ -523,6 +617,7 @@ def _run(args, r, layout) -> dict:
     models = load_models(pipe, args.model_path, r["dtype"])
     plan = SignalPlan.from_config(config)
     backend = make_backend(args, models, plan, layout)
+    _check_host_memory(r, backend, args)
     sample = None  # speech-to-video builds its samples clip by clip
     if pipe.task != "s2v":
         sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],
@@ -532,6 +627,7 @@ def _run(args, r, layout) -> dict:
     latents, traj, noise = _sample(backend, config, r, sample,
                                    progress=_progress(writer and not args.no_progress),
                                    warmup_rounds=args.warmup_steps)
+    _check_finite(latents, r, args)
     report = _report(r, traj, backend, plan, args, time.perf_counter() - began)
     if args.compare:
         # caching off, same CFG pairing (a fused sample is called as one pair)
@@ -748,7 +844,7 @@ def format_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-ERRORS = (UsageError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
+ERRORS = (UsageError, OutputError, ConfigError, StageFileError, CheckpointError, ModelConfigError,
           SchedulerError, ops.OpError, BudgetError, SinkUnavailable)
 
 

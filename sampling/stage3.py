@@ -45,6 +45,9 @@ from .stage_io import (
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TINY_VAE_SEED = 0
+# what an H.264 mp4 plays: ffmpeg refuses frame rates it cannot write as a 1/90000 time base,
+# and no player shows more than a few hundred frames a second
+MIN_FPS, MAX_FPS = 0.1, 1000.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +132,9 @@ def resolve(args) -> dict:
     if latents.shape[1] != channels:
         raise StageFileError(f"{LATENTS}: latents have {latents.shape[1]} channels; the {name} VAE "
                              f"expects {channels} (shape [1, {channels}, F, H, W])")
+    if 0 in latents.shape:
+        raise StageFileError(f"{LATENTS}: latents have shape {list(latents.shape)}; expected at "
+                             "least one latent frame, row and column")
     # as stage 2 refuses such stage-1 tensors: a video of NaN or of integers is no video
     check_tensors({"latents": latents}, {"latents": TensorSpec((None,) * 5, FLOAT_DTYPES)},
                   os.path.join(args.input_dir, LATENTS))
@@ -156,9 +162,9 @@ def resolve(args) -> dict:
     if args.tile_size is not None and not args.tiled:
         raise UsageError("--tile_size needs --tiled")
     if args.fps is not None:
-        fps = as_number("--fps", args.fps, above=0.0)
+        fps = as_number("--fps", args.fps, minimum=MIN_FPS, maximum=MAX_FPS)
     elif config.get("fps") is not None:
-        fps = as_number(f"{source}: fps", config["fps"], above=0.0)
+        fps = as_number(f"{source}: fps", config["fps"], minimum=MIN_FPS, maximum=MAX_FPS)
     else:
         fps = default_fps(pipe)
     output_dir = args.output_dir if args.output_dir is not None else args.input_dir

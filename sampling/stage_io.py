@@ -42,6 +42,11 @@ STAGE3_FIELDS = ("output_video", "stage3_decode_time", "vae", "vae_dtype", "vide
 PAIR_ID = "stage2_pair_id"  # in the latents' metadata and the config: one id per written pair
 
 
+# the largest magnitude a stage-1 tensor may hold: text encoders' hidden states reach ~1e3 (LLM
+# outlier features), far below the 1e19 whose square overflows fp32 in a norm
+MAX_ABS = 1e6
+
+
 class StageFileError(ValueError):
     """A stage file is missing, unreadable or does not match what the pipeline expects."""
 
@@ -105,11 +110,25 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, Tenso
             want = "[" + ", ".join("*" if w is None else str(w) for w in spec.shape) + "]"
             raise StageFileError(f"{source}: {key} has shape {list(shape)}; expected {want}"
                                  + (f" ({spec.doc})" if spec.doc else ""))
+        for dim, (n, most) in enumerate(zip(shape, spec.most or (), strict=False)):
+            if most is not None and n > most:
+                raise StageFileError(f"{source}: {key} has {n} entries along dim {dim} (shape "
+                                     f"{list(shape)}); expected at most {most}, the model's "
+                                     "text length")
         if t.dtype not in spec.dtypes:
             raise StageFileError(f"{source}: {key} has dtype {t.dtype}; expected one of "
                                  f"{', '.join(str(d) for d in spec.dtypes)}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise StageFileError(f"{source}: {key} holds NaN or Inf values")
+        if spec.needs_token and t.numel() and not bool(t.reshape(shape[0], -1).ne(0).any(1).all()):
+            raise StageFileError(f"{source}: {key} marks no valid token (all zero); expected at "
+                                 "least one (an encoder's mask always keeps its template tokens)")
+        if t.is_floating_point():
+            if not bool(torch.isfinite(t).all()):
+                raise StageFileError(f"{source}: {key} holds NaN or Inf values")
+            peak = float(t.abs().max()) if t.numel() else 0.0
+            if peak > MAX_ABS:
+                raise StageFileError(f"{source}: {key} holds values up to {peak:.3g}; expected "
+                                     f"|x| <= {MAX_ABS:g} (encoders give values of order 1 to "
+                                     "1e3; larger ones overflow the model's norms)")
 
 
 def read_stage1(directory: str, specs: Mapping[str, TensorSpec]):
@@ -140,6 +159,11 @@ _PREFIX_CHARS = 64  # of the final name in a temporary one: long names keep room
 _held: dict[str, int] = {}  # temporary path -> the open, flock'ed descriptor of this process
 
 
+_umask = os.umask(0)
+os.umask(_umask)
+_MODE = 0o666 & ~_umask
+
+
 def _prefix(name: str) -> str:
     return f".{name[:_PREFIX_CHARS]}."
 
@@ -148,9 +172,7 @@ def _temporary(directory: str, name: str, suffix: str = ".tmp") -> str:
     fd, path = tempfile.mkstemp(prefix=_prefix(name), suffix=suffix, dir=directory)
     fcntl.flock(fd, fcntl.LOCK_EX)
     _held[path] = fd
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; outputs get the usual permissions
+    os.fchmod(fd, _MODE)  # mkstemp makes 0600; outputs get the usual permissions
     return path
 
 
@@ -326,6 +348,7 @@ def _write_with_config(directory: str, name: str, suffix: str, write_payload,
             payload_tmp = _temporary(directory, name, suffix)
             temps.append(payload_tmp)
             write_payload(payload_tmp)
+            os.chmod(payload_tmp, _MODE)  # a writer that makes its own file (safetensors) makes it 0600
             _sync(payload_tmp)
             config_tmp = _temporary(directory, CONFIG)
             temps.append(config_tmp)
@@ -505,6 +528,42 @@ def _probe(folder: str) -> None:
     _release(_temporary(folder, "write-check"))
 
 
+# room a path leaves for our temporary names beside or inside it (see _temporary)
+_TEMP_ROOM = _PREFIX_CHARS + 24
+
+
+def check_creatable(flag: str, path: str, hint: str = "") -> None:
+    """Refuse a path that no file system call could create: over PATH_MAX (with room for our
+    temporary names), a name over NAME_MAX, a symbolic link loop or a file where a folder must
+    be. Existence checks call all of these "missing"; creating it would fail after the run."""
+    full = os.path.abspath(path)
+    limit = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
+    if len(os.fsencode(full)) + _TEMP_ROOM >= limit:
+        raise StageFileError(f"{flag} {path[:60]}...: a path of {len(os.fsencode(full))} bytes; "
+                             f"expected under {limit - _TEMP_ROOM} (PATH_MAX {limit}){hint}")
+    existing = full
+    while True:
+        try:
+            os.stat(existing)
+            break
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StageFileError(f"{flag} {path}: {existing} is a loop of symbolic links; "
+                                     f"expected a path that resolves{hint}") from None
+            if existing == os.path.dirname(existing):
+                break
+            existing = os.path.dirname(existing)
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for part in full.split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            raise StageFileError(f"{flag} {path[:60]}...: a name of {len(os.fsencode(part))} "
+                                 f"bytes ({part[:24]}...); expected at most {name_max} (NAME_MAX)"
+                                 f"{hint}")
+
+
 def check_writable(directory: str, flag: str = "--output_dir", names: tuple[str, ...] = (),
                    hint: str = "") -> None:
     """Raise StageFileError unless `directory` is, or can be made, a folder we can create files
@@ -512,6 +571,7 @@ def check_writable(directory: str, flag: str = "--output_dir", names: tuple[str,
     when its files are written)."""
     if not directory:
         raise StageFileError(f"{flag} {directory!r}: expected a folder path{hint}")
+    check_creatable(flag, directory, hint)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise StageFileError(f"{flag} {directory} exists and is not a directory; expected a "
                              f"folder to write into{hint}")
@@ -532,11 +592,33 @@ def check_writable(directory: str, flag: str = "--output_dir", names: tuple[str,
             raise StageFileError(_taken_by_folder(directory, name).replace("--output_dir", flag, 1))
 
 
+def check_distinct(outputs: Mapping[str, str], inputs: Mapping[str, str]) -> None:
+    """Refuse two outputs at one path, or an output onto an input (or inside an input folder):
+    flag -> path each; the paths compared as the file system resolves them."""
+    seen: dict[str, str] = {}
+    resolved_inputs = {flag: os.path.realpath(path) for flag, path in inputs.items() if path}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise StageFileError(f"{flag} {path}: the run writes {seen[real]} there too; "
+                                 "expected a path of its own")
+        for source, inside in resolved_inputs.items():
+            if real == inside or (os.path.isdir(inside) and real.startswith(inside + os.sep)):
+                raise StageFileError(f"{flag} {path} would overwrite {source} {inputs[source]}"
+                                     f"{'' if real == inside else ' (inside it)'}; expected an "
+                                     "output path apart from the inputs")
+        seen[real] = flag
+
+
 def check_writable_file(flag: str, path: str | None) -> None:
     """Refuse, before any work, a report path that is empty or a folder, or whose folder is
     missing or cannot take a new file."""
     if path is None:
         return
+    if path:
+        check_creatable(flag, path)
     folder = os.path.dirname(os.path.abspath(path)) if path else ""
     if not path or os.path.isdir(path) or not os.path.isdir(folder):
         raise StageFileError(f"{flag} {path!r}: expected a file in an existing, writable folder")

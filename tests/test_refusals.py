@@ -60,8 +60,8 @@ STAGE2_FLAGS = [
     (["--height", "100"], "--height 100: expected a positive multiple of 16"),
     (["--sample_shift", "0"], "--sample_shift 0.0: expected a finite number > 0"),
     (["--sample_shift", "nan"], "--sample_shift nan: expected a finite number > 0"),
-    (["--guidance_scale", "nan"], "--guidance_scale nan: expected a number >= 0"),
-    (["--guidance_scale", "-2"], "--guidance_scale -2.0: expected a number >= 0"),
+    (["--guidance_scale", "nan"], "--guidance_scale nan: expected a number in [0, 100]"),
+    (["--guidance_scale", "-2"], "--guidance_scale -2.0: expected a number in [0, 100]"),
     (["--seed", str(2 ** 64)], f"--seed {2 ** 64}: expected an integer in"),
     (["--warmup_steps", "-1"], "--warmup_steps -1: expected an integer >= 0"),
     (["--sp_size", "0"], "--sp_size 0: expected an integer >= 1"),
@@ -178,7 +178,7 @@ def stage1_dir(path, **config):
     ("height", 0, "height 0: expected a positive height"),
     ("video_length", 0, "video_length 0: expected a positive video_length"),
     ("seed", "abc", "seed 'abc': expected an integer in"),
-    ("guidance_scale", "high", "guidance_scale 'high': expected a number >= 0"),
+    ("guidance_scale", "high", "guidance_scale 'high': expected a number in [0, 100]"),
 ])
 def test_stage1_config_values_are_checked_like_flags(tmp_path, capsys, key, value, message):
     stage1_dir(tmp_path, **{key: value})
@@ -315,9 +315,9 @@ def test_stage3_refuses_latents_that_are_not_finite_floats(tmp_path, capsys, lat
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--fps", "0"], "--fps 0.0: expected a finite number > 0"),
-    (["--fps", "nan"], "--fps nan: expected a finite number > 0"),
-    (["--fps", "inf"], "--fps inf: expected a finite number > 0"),
+    (["--fps", "0"], "--fps 0.0: expected a finite number >= 0.1 and <= 1000"),
+    (["--fps", "nan"], "--fps nan: expected a finite number >= 0.1 and <= 1000"),
+    (["--fps", "inf"], "--fps inf: expected a finite number >= 0.1 and <= 1000"),
     (["--output_dir", ""], "--output_dir '': expected a folder path"),
     (["--output_dir", f"{UNWRITABLE}/video"], f"--output_dir {UNWRITABLE}/video is not writable"),
 ])
@@ -331,9 +331,9 @@ def test_stage3_refuses_flags_it_cannot_use_before_decoding(tmp_path, capsys, ar
 def test_stage3_checks_the_config_values_it_reads(tmp_path, capsys):
     stage2_dir(tmp_path, fps="fast")
     refused(stage3.main, ["--input_dir", str(tmp_path)], capsys,
-            f"{tmp_path / CONFIG}: fps 'fast': expected a finite number > 0")
+            f"{tmp_path / CONFIG}: fps 'fast': expected a finite number >= 0.1 and <= 1000")
     stage2_dir(tmp_path, fps=0)
-    refused(stage3.main, ["--input_dir", str(tmp_path)], capsys, "fps 0: expected a finite number > 0")
+    refused(stage3.main, ["--input_dir", str(tmp_path)], capsys, "fps 0: expected a finite number >= 0.1 and <= 1000")
     stage2_dir(tmp_path, height="tall")
     refused(stage3.main, ["--input_dir", str(tmp_path)], capsys, "height 'tall': expected an integer")
 

@@ -161,6 +161,10 @@ class TorchBackend:
                            stages_for(m, self.plan, self.cond_names, static, grid).items()}
                        for e, m in self.models.items()}
 
+    def platform(self) -> str:
+        """Where the stages run: "cpu", "cuda", "npu"."""
+        return self.device.type
+
     def device_name(self) -> str:
         name = str(self.device)
         if self.device.type == "cuda":

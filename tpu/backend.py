@@ -296,6 +296,10 @@ class JaxBackend:
     def compile_counts(self):
         return compile_counts()
 
+    def platform(self) -> str:
+        """Where the programs run: "cpu", "tpu", "gpu"."""
+        return jax.devices()[0].platform
+
     def device_name(self) -> str:
         d = jax.devices()[0]
         if self.mesh is not None:

@@ -58,11 +58,27 @@ def compile_counts() -> CompileCounts:
     return _COUNTER.snapshot()
 
 
+def remove_empty_entries(directory: str) -> int:
+    """Remove 0-byte cache entries (a write that met a full disk leaves them; JAX then warns
+    about each on every later run and never rewrites it). Returns how many went."""
+    removed = 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            try:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_size == 0:
+                    os.remove(entry.path)
+                    removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 def enable_compile_cache(directory: str | None) -> str | None:
     """Turn the persistent compilation cache on (None: leave it off). Returns the directory."""
     if not directory:
         return None
     os.makedirs(directory, exist_ok=True)
+    remove_empty_entries(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     # Cache every program, however small or fast to compile: warm-up is the cost we remove.
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
