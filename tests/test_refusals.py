@@ -51,8 +51,8 @@ def refused(main, argv, capsys, *needles):
 # --- stage 2: numeric flags --------------------------------------------------------------------
 
 STAGE2_FLAGS = [
-    (["--num_inference_steps", "0"], "--num_inference_steps 0: expected an integer >= 1"),
-    (["--num_inference_steps", "-3"], "--num_inference_steps -3: expected an integer >= 1"),
+    (["--num_inference_steps", "0"], "--num_inference_steps 0: expected an integer in [1, 1000]"),
+    (["--num_inference_steps", "-3"], "--num_inference_steps -3: expected an integer in [1, 1000]"),
     (["--height", "0"], "--height 0: expected a positive height"),
     (["--width", "0"], "--width 0: expected a positive width"),
     (["--video_length", "0"], "--video_length 0: expected a positive video_length"),
@@ -163,7 +163,7 @@ def test_the_main_command_with_zero_steps_exits_2_and_writes_nothing(tmp_path):
                           "--num_inference_steps", "0"], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == ("stage2_transformer_flax_deepcache.py: error: "
-                                  "--num_inference_steps 0: expected an integer >= 1")
+                                  "--num_inference_steps 0: expected an integer in [1, 1000]")
     assert listing(tmp_path) == []
 
 
@@ -174,7 +174,7 @@ def stage1_dir(path, **config):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("num_inference_steps", 0, "num_inference_steps 0: expected an integer >= 1"),
+    ("num_inference_steps", 0, "num_inference_steps 0: expected an integer in [1, 1000]"),
     ("height", 0, "height 0: expected a positive height"),
     ("video_length", 0, "video_length 0: expected a positive video_length"),
     ("seed", "abc", "seed 'abc': expected an integer in"),
