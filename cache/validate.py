@@ -74,7 +74,7 @@ def read_json(path: str):
     except json.JSONDecodeError as exc:
         raise FieldError(f"is not valid JSON ({exc})") from None
     except RecursionError:
-        raise FieldError("is JSON nested too deeply to read; expected a profile") from None
+        raise FieldError("is JSON nested too deeply to read") from None
     except ValueError as exc:  # e.g. an integer past the interpreter's digit limit
         raise FieldError(f"is not JSON that can be read ({_first_line(exc)})") from None
 

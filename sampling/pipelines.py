@@ -114,13 +114,13 @@ class Pipeline:
         # (frames + 3 + 73) // 4 - 19 = frames / 4 frames; the 4x motion bucket needs H, W / 8
         st, ss = self.vae_stride
         if frames < st or frames % st:
-            raise ValueError(f"video_length {frames}: S2V clips have a multiple of {st} frames "
-                             f"(the official infer_frames, e.g. 80 or 48)")
+            raise SizeError("video_length", frames, f"a multiple of {st} frames (S2V clips: the "
+                            "official infer_frames, e.g. 80 or 48)")
         unit = ss * 8
         for name, value in (("height", height), ("width", width)):
             if value < unit or value % unit:
-                raise ValueError(f"{name} {value}: expected a positive multiple of {unit} (VAE "
-                                 f"stride {ss} x the 8-latent-pixel motion packing)")
+                raise SizeError(name, value, f"a positive multiple of {unit} (VAE stride {ss} x "
+                                "the 8-latent-pixel motion packing)")
         return 1, self.latent_channels, frames // st, height // ss, width // ss
 
     # --- stage-1 tensors ----------------------------------------------------------------------

@@ -17,7 +17,10 @@ from .stages import SignalPlan
 
 
 def noise_for(latent_shape, seed: int) -> torch.Tensor:
-    """Initial noise, drawn on the host from the seed: never inside a jitted program."""
+    """Initial noise, drawn on the host from the seed: never inside a jitted program. A seed past
+    torch's range (the last seed plus a clip index) wraps around, as a 64-bit counter does."""
+    if seed >= 2 ** 64:
+        seed -= 2 ** 64
     return torch.randn(latent_shape, generator=torch.Generator().manual_seed(seed))
 
 

@@ -28,6 +28,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from cache.validate import FieldError, read_json
+
 from .interrupt import deferred
 from .pipelines import TensorSpec
 
@@ -60,10 +62,9 @@ def read_config(directory: str) -> dict:
     if not os.path.isfile(path):
         raise StageFileError(f"{path} is missing; expected the {CONFIG} that stage 1 writes")
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StageFileError(f"{path} is not valid JSON: {exc}") from None
+        config = read_json(path)
+    except FieldError as exc:
+        raise StageFileError(f"{path} {exc}") from None
     if not isinstance(config, dict):
         raise StageFileError(f"{path} holds a {type(config).__name__}; expected a JSON object")
     return config

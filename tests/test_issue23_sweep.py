@@ -89,7 +89,21 @@ CASES = [
      "--num_inference_steps 1000000000: expected an integer in [1, 1000]"),
     ("two million rows", lambda tmp: ["--height", "32000000"],
      "tokens per model call"),
+    ("S2V frames", lambda tmp: ["--model", "wan-tiny-s2v", "--video_length", "17"],
+     "--video_length 17: expected a multiple of 4 frames"),
+    ("S2V height", lambda tmp: ["--model", "wan-tiny-s2v", "--height", "60"],
+     "--height 60: expected a positive multiple of 64"),
+    ("a config that is not UTF-8", lambda tmp: ["--input_dir", _config(tmp, b"\xff\xfe{}")],
+     f"{CONFIG} is not UTF-8 text"),
+    ("a config nested 100k deep", lambda tmp: ["--input_dir", _config(
+        tmp, b"[" * 100_000 + b"]" * 100_000)], f"{CONFIG} is JSON nested too deeply"),
 ]
+
+
+def _config(tmp, data: bytes) -> str:
+    (tmp / "in").mkdir()
+    (tmp / "in" / CONFIG).write_bytes(data)
+    return str(tmp / "in")
 
 
 def _made(folder):
@@ -152,6 +166,13 @@ def test_stage2_into_a_decoded_folder_drops_the_old_video_fields(tmp_path):
     config = json.loads((out / CONFIG).read_text())
     assert "output_video" not in config and "stage3_decode_time" not in config
     assert config["fps"] is not None  # a setting, kept
+
+
+def test_the_last_seed_samples_every_s2v_clip(tmp_path):
+    """seed + clip passes 2^64 - 1 on the second clip: it wraps, as a 64-bit counter does."""
+    assert stage2_script.main([*FAST, "--model", "wan-tiny-s2v", "--seed", str(2 ** 64 - 1),
+                               "--num_clips", "2", "--output_dir", str(tmp_path)]) == 0
+    assert torch.isfinite(read_stage2(str(tmp_path))[0]).all()
 
 
 def test_stage2_latents_get_the_usual_file_mode(tmp_path):
