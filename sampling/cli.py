@@ -53,6 +53,12 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
                 else:
                     _let_rank_0_speak()
                 return 2
+            except MemoryError:
+                if launch_rank() == 0:
+                    print(f"{parser.prog}: error: out of host memory; expected a smaller size "
+                          "(--height/--width/--video_length) or fewer steps; nothing was written",
+                          file=sys.stderr)
+                return 2
             except (Interrupted, KeyboardInterrupt) as exc:
                 signum = exc.signum if isinstance(exc, Interrupted) else 2
                 name = exc.name if isinstance(exc, Interrupted) else "SIGINT"

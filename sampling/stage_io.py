@@ -5,11 +5,12 @@
     <dir>/stage2_latents.safetensors      key `latents` [1, C, F, H, W], metadata as strings
 
 Everything is checked before sampling starts (missing file or key, wrong shape or dtype, bad
-JSON, an output folder that cannot take the files), and every write is atomic: files are written
-under temporary names, then renamed in pairs, so a failure (a full disk, SIGINT/SIGTERM) leaves
-no partial output and the previous pair as it was. A pair is renamed in under an exclusive lock
-on the folder (read under a shared one), so two runs writing the same folder at once leave one
-run's pair, never one file of each.
+JSON, an output path that cannot be created or would overwrite an input). Every write goes
+through temporary files and a commit journal (see "writing" below): a failure (a full disk,
+SIGINT/SIGTERM, kill -9 at any instruction) leaves the previous outputs or the new ones, whole,
+and the next writer or reader of the folder finishes or cleans what was left. A pair is
+committed under an exclusive lock on the folder, so two runs writing the same folder at once
+leave one run's pair, never one file of each; a pair id ties the latents to their config.
 """
 
 from __future__ import annotations
