@@ -25,6 +25,7 @@ from modules.checkpoint import CheckpointError, cast_model, load_model
 from modules.layers import ModelConfigError
 from modules.registry import build_model
 
+from . import platforms
 from .budget import BudgetError
 from .budget import choose as budget_choose
 from .budget import load as budget_load
@@ -297,6 +298,8 @@ def _check_flags(args) -> None:
     for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir", "budget_profile"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} '': expected a path")
+    platforms.check_backend(args.backend, device=args.device, attention=args.attention,
+                            multihost=args.multihost)
 
 
 def _check_launch(args) -> None:

@@ -33,6 +33,10 @@ from dataclasses import dataclass, field
 # Compiling for a TPU needs no TPU: several processes may load libtpu at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from sampling.platforms import quiet_cpu_default  # noqa: E402 - before jax: see its docstring
+
+quiet_cpu_default()
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -44,11 +48,12 @@ from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
 from modules.checkpoint import CheckpointError, cast_model, load_model  # noqa: E402
 from modules.layers import ModelConfigError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
-from sampling.cli import command  # noqa: E402
+from sampling.cli import UsageError, as_int, as_number, command  # noqa: E402
 from sampling.loop import PAIR_ORDER, Combination, folding  # noqa: E402
-from sampling.pipelines import PIPELINES, get_pipeline  # noqa: E402
+from sampling.pipelines import PIPELINES, SizeError, get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
-from sampling.schedulers import SOLVERS, make_scheduler  # noqa: E402
+from sampling.schedulers import SOLVERS, SchedulerError, make_scheduler  # noqa: E402
+from sampling.stage_io import StageFileError, check_writable_file  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import WEIGHT_SHARDINGS, make_mesh  # noqa: E402
 
@@ -86,6 +91,35 @@ CHIPS = {
 }
 _TOPOLOGY = re.compile(r"^(v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
 
+# The slice shapes Cloud TPU offers (chips per axis, as `gcloud compute tpus tpu-vm create
+# --topology` and GKE's cloud.google.com/gke-tpu-topology take them). libtpu's own parser
+# (jax.experimental.topologies.get_topology_desc, libtpu 0.0.42) builds devices for any AxB[xC]
+# its host bounds divide, v6e:2x3, v6e:64x64 and v5p:2x2x3 included, so a plan for a slice that
+# cannot be rented would come out; the shape is checked here instead.
+# v5e and v6e: the 2D shapes of cloud.google.com/tpu/docs/v5e and /tpu/docs/v6e (256-chip pods).
+SLICES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+# v5p (cloud.google.com/tpu/docs/v5p): below one 4x4x4 cube 2x2x1, 2x2x2, 2x2x4, 2x4x4; above,
+# whole cubes (each axis a multiple of 4, listed ascending: 4x4x8, 8x16x16), up to the largest
+# slice one job can have, 16x16x24 (96 cubes, 6144 chips).
+V5P_SUBCUBE = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+V5P_MAX_CUBES = 96
+
+
+def _slice_exists(chip: Chip, dims: tuple[int, ...]) -> bool:
+    if chip.name != "v5p":
+        return dims in SLICES_2D
+    if dims in V5P_SUBCUBE:
+        return True
+    return all(d % 4 == 0 for d in dims) and list(dims) == sorted(dims) and \
+        math.prod(d // 4 for d in dims) <= V5P_MAX_CUBES
+
+
+def _slices(chip: Chip) -> str:
+    if chip.name != "v5p":
+        return ", ".join(f"{chip.name}:{a}x{b}" for a, b in SLICES_2D)
+    return (", ".join(f"v5p:{a}x{b}x{c}" for a, b, c in V5P_SUBCUBE) + ", or whole 4x4x4 cubes: "
+            f"AxBxC with A <= B <= C multiples of 4, at most {V5P_MAX_CUBES} cubes (v5p:16x16x24)")
+
 
 def parse_topology(name: str) -> tuple[Chip, tuple[int, int, int]]:
     """"v6e:2x4" -> (chip, (2, 4, 1)); AotError for anything else."""
@@ -99,10 +133,10 @@ def parse_topology(name: str) -> tuple[Chip, tuple[int, int, int]]:
         raise AotError(f"--topology {name!r}: {chip.name} slices are "
                        f"{'3' if chip.name == 'v5p' else '2'}-dimensional, e.g. "
                        f"{'v5p:2x2x1' if chip.name == 'v5p' else chip.name + ':2x4'}")
-    dims = (*dims, 1)[:3]
-    if min(dims) < 1:
-        raise AotError(f"--topology {name!r}: every dimension must be at least 1")
-    return chip, dims
+    if not _slice_exists(chip, dims):
+        raise AotError(f"--topology {name}: not a {chip.name} slice Cloud TPU offers; expected "
+                       f"{_slices(chip)}")
+    return chip, (*dims, 1)[:3]
 
 
 def topology_devices(name: str):
@@ -483,7 +517,10 @@ def _models(pipe, model_path, dtype) -> dict:
 
 
 def run(args) -> dict:
-    chip, devices = topology_devices(args.topology)
+    # Every flag is checked before libtpu is loaded (its setup noise, seconds) and long before the
+    # compile (minutes at real sizes): a refusal is one line, at once.
+    chip, dims = parse_topology(args.topology)
+    chips = math.prod(dims)  # one JAX device per chip on v5e, v5p (megacore) and v6e
     pipe = get_pipeline(args.model)
     config = config_from_args(args)
     if args.cfg_parallel:
@@ -494,40 +531,53 @@ def run(args) -> dict:
     sp, cfg = args.sp_size, 2 if args.cfg_parallel else 1
     if sp < 1:
         raise AotError(f"--sp_size {sp}: expected >= 1")
-    if sp * cfg != len(devices):
-        chips = len(devices)
+    if sp * cfg != chips:
         raise AotError(f"--sp_size {sp}{' --cfg_parallel' if cfg > 1 else ''} uses {sp * cfg} "
                        f"chip(s); topology {args.topology} has {chips}: give --sp_size "
                        f"{chips // cfg if chips % cfg == 0 else chips}"
                        f"{' --cfg_parallel' if cfg > 1 and chips % cfg == 0 else ''}, or a "
                        f"{sp * cfg}-chip topology")
+    given = {}
     for flag in ("height", "width", "video_length", "num_inference_steps"):
         value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise AotError(f"--{flag} {value}: expected a positive integer")
+        if value is not None:
+            given[flag] = as_int(f"--{flag}", value, minimum=1, expected="a positive integer")
     if args.computed_fraction is not None and not 0 < args.computed_fraction <= 1:
         raise AotError(f"--computed_fraction {args.computed_fraction}: expected in (0, 1]")
-    size = tuple(v if v is not None else d for v, d in
-                 zip((args.height, args.width, args.video_length), pipe.size, strict=True))
-    latent_shape = pipe.latent_shape(*size)
-    steps = args.num_inference_steps or pipe.steps
-    shift = args.sample_shift if args.sample_shift is not None else pipe.shift
+    size = tuple(given.get(k, d) for k, d in
+                 zip(("height", "width", "video_length"), pipe.size, strict=True))
+    try:
+        latent_shape = pipe.latent_shape(*size)
+    except SizeError as exc:
+        raise AotError(f"--{exc.name} {exc.value}: expected {exc.expected}") from None
+    steps = given.get("num_inference_steps", pipe.steps)
+    shift = as_number("--sample_shift", args.sample_shift, above=0.0,
+                      expected="a finite number > 0 (1.0 = no shift)") \
+        if args.sample_shift is not None else pipe.shift
     solver = args.sample_solver or pipe.solver
     guidance = args.guidance_scale
+    if guidance is not None:
+        as_number("--guidance_scale", guidance, minimum=0.0,
+                  expected="a finite number >= 0 (1 turns CFG off)")
     cfg_on = any(pipe.guidance_for(e, guidance) != 1.0 for e, _ in pipe.experts)
     fused = config.cfg_mode == "fused"
     if fused and not cfg_on:
         raise AotError("a fused CFG pair (--cfg_parallel, --cfg_mode fused) needs guidance != 1")
+    if args.swap_experts and args.weight_sharding == "fsdp":
+        raise AotError("--swap_experts plans for whole experts swapped in at the switch; with "
+                       "--weight_sharding fsdp both stay resident, split")
+    check_writable_file("--json", args.json)
     image = pipe.task == "i2v" or (pipe.task == "ti2v" and args.image)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
+    chip, devices = topology_devices(args.topology)
+    if len(devices) != chips:  # the chip count the checks above assumed
+        raise AotError(f"--topology {args.topology}: libtpu gave {len(devices)} devices for "
+                       f"{chips} chips")
     models = _models(pipe, args.model_path, dtype)
     mesh = make_mesh(sp, cfg, devices) if sp * cfg > 1 else None
     plan = SignalPlan.from_config(config)
     began = time.perf_counter()
-    if args.swap_experts and args.weight_sharding == "fsdp":
-        raise AotError("--swap_experts plans for whole experts swapped in at the switch; with "
-                       "--weight_sharding fsdp both stay resident, split")
     weights = "replicated" if args.swap_experts else args.weight_sharding
     backend = AotBackend(models, plan, devices=devices, mesh=mesh, weights=weights,
                          attention_impl=args.attention)
@@ -636,7 +686,8 @@ def format_summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-ERRORS = (AotError, ConfigError, CheckpointError, ModelConfigError)
+ERRORS = (AotError, UsageError, ConfigError, CheckpointError, ModelConfigError, StageFileError,
+          SchedulerError)
 main = command(build_parser, run, format_summary, ERRORS)
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""A platform, device, attention lowering or TPU slice this host or Cloud TPU does not have is
+refused up front in one line, exit 2, nothing written (issue 23 items 8, 9, 10): `python -m
+tpu.aot` sizes, shift, guidance, --json folder and slice shapes (before libtpu is loaded, so
+long before any compile); stage 2 with JAX_PLATFORMS naming a missing platform, --device naming
+a missing torch device, --attention splash off a TPU; and no libtpu noise on a CPU host.
+
+Commands run in this process (their main) where they can; a subprocess where JAX_PLATFORMS must
+be set before JAX is imported."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stage2_transformer_flax_deepcache as stage2
+from sampling import platforms
+from tpu import aot
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE2 = ROOT / "stage2_transformer_flax_deepcache.py"
+
+
+def listing(path):
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*"))
+
+
+def one_line(err: str) -> str:
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.fixture
+def no_work(monkeypatch, tmp_path):
+    """Run in an empty folder; reaching libtpu (aot) or a model (stage 2) fails the test."""
+    monkeypatch.chdir(tmp_path)
+
+    def reached(*args, **kwargs):
+        raise AssertionError("reached past the checks")
+    monkeypatch.setattr(aot, "topology_devices", reached)
+    monkeypatch.setattr("sampling.stage2.load_models", reached)
+    return tmp_path
+
+
+# --- python -m tpu.aot ----------------------------------------------------------------------
+
+AOT = [
+    (["--height", "65"], "--height 65: expected a positive multiple of 32"),
+    (["--width", "0"], "--width 0: expected a positive integer"),
+    (["--sample_shift", "-1"], "--sample_shift -1.0: expected a finite number > 0"),
+    (["--guidance_scale", "nan"], "--guidance_scale nan: expected a finite number >= 0"),
+    (["--json", "missing/r.json"], "--json 'missing/r.json': expected a file in an existing, "
+     "writable folder"),
+    (["--topology", "v6e:2x3"], "--topology v6e:2x3: not a v6e slice Cloud TPU offers; expected "
+     "v6e:1x1, v6e:2x2, v6e:2x4, v6e:4x4, v6e:4x8, v6e:8x8, v6e:8x16, v6e:16x16"),
+    (["--topology", "v6e:64x64"], "--topology v6e:64x64: not a v6e slice Cloud TPU offers"),
+    (["--topology", "v6e:4x2"], "--topology v6e:4x2: not a v6e slice Cloud TPU offers"),
+    (["--topology", "v5e:2x8"], "--topology v5e:2x8: not a v5e slice Cloud TPU offers"),
+    (["--topology", "v5p:2x2x3"], "--topology v5p:2x2x3: not a v5p slice Cloud TPU offers; "
+     "expected v5p:2x2x1, v5p:2x2x2, v5p:2x2x4, v5p:2x4x4, or whole 4x4x4 cubes"),
+    (["--topology", "v5p:8x4x4"], "A <= B <= C multiples of 4"),
+    (["--topology", "v5p:16x16x28"], "at most 96 cubes (v5p:16x16x24)"),
+    (["--topology", "v6e:2x2", "--sp_size", "8"], "topology v6e:2x2 has 4: give --sp_size 4"),
+    (["--swap_experts", "--weight_sharding", "fsdp"], "--swap_experts plans for whole experts"),
+]
+
+
+@pytest.mark.parametrize("argv, message", AOT, ids=[" ".join(a) for a, _ in AOT])
+def test_aot_refuses_before_loading_libtpu(no_work, capfd, argv, message):
+    capfd.readouterr()
+    base = ["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1"]
+    assert aot.main([*base, *argv]) == 2
+    out, err = capfd.readouterr()
+    assert out == ""
+    assert message in one_line(err)
+    assert err.startswith("python -m tpu.aot: error: ")
+    assert listing(no_work) == []
+
+
+@pytest.mark.parametrize("name", [
+    "v6e:1x1", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v6e:8x16", "v6e:16x16",
+    "v5e:1x1", "v5e:2x4", "v5e:16x16", "v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4",
+    "v5p:4x4x4", "v5p:4x4x8", "v5p:4x8x8", "v5p:8x16x16", "v5p:4x4x92", "v5p:16x16x24"])
+def test_every_documented_slice_shape_is_taken(name):
+    chip, dims = aot.parse_topology(name)
+    assert len(dims) == 3 and name.startswith(chip.name)
+
+
+# --- stage 2: JAX_PLATFORMS, --device, --attention -------------------------------------------
+
+def _stage2(tmp_path, env):
+    return subprocess.run([sys.executable, str(STAGE2), "--num_inference_steps", "2",
+                           "--output_dir", str(tmp_path / "x")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("tpu", "JAX_PLATFORMS=tpu: no tpu device here (no /dev/accel*, /dev/vfio/<n> or TPU on the "
+     "PCI bus); expected a platform this host has: unset JAX_PLATFORMS or set it to cpu"),
+    ("cuda", "JAX_PLATFORMS=cuda: no cuda device here (JAX sees no NVIDIA GPU"),
+])
+def test_a_jax_platform_this_host_lacks_is_one_line(tmp_path, value, message):
+    if value == "tpu" and platforms.tpu_evidence() or value == "cuda" and platforms.gpu_evidence():
+        pytest.skip(f"this host may have a {value} device")
+    out = _stage2(tmp_path, {**os.environ, "JAX_PLATFORMS": value})
+    assert out.returncode == 2 and out.stdout == ""
+    assert one_line(out.stderr).startswith(f"stage2_transformer_flax_deepcache.py: error: {message}")
+    assert listing(tmp_path) == []
+
+
+CPU_ONLY, ONE_GPU = {"cpu": 1}, {"cpu": 1, "cuda": 1}  # what torch_devices() could say
+DEVICES = [
+    (CPU_ONLY, "cuda", "--device cuda: no cuda device here"),
+    (CPU_ONLY, "npu", "--device npu: no npu device here"),
+    (CPU_ONLY, "cuda:0", "--device cuda:0: no cuda device here"),
+    (ONE_GPU, "cuda:1", "--device cuda:1: this host has 1 cuda device(s) (cuda:0 to "
+     "cuda:0)"),
+    (CPU_ONLY, "tpu", "--device 'tpu': expected cuda, npu or cpu"),
+    (CPU_ONLY, "cuda:x", "--device 'cuda:x': expected cuda, npu or cpu"),
+]
+
+
+@pytest.mark.parametrize("host, device, message", DEVICES, ids=[d for _, d, _ in DEVICES])
+def test_a_torch_device_this_host_lacks_is_one_line(no_work, monkeypatch, capsys, host, device,
+                                                    message):
+    monkeypatch.setattr(platforms, "torch_devices", lambda: dict(host))
+    capsys.readouterr()
+    assert stage2.main(["--backend", "torch", "--device", device, "--compile_cache_dir",
+                        "none"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in one_line(err), err
+    assert listing(no_work) == []
+
+
+def test_the_real_missing_devices_say_why(no_work, capsys):
+    """On this host as it is (no monkeypatch): the reason names what is missing."""
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    assert stage2.main(["--backend", "torch", "--device", "cuda"]) == 2
+    err = one_line(capsys.readouterr().err)
+    assert "--device cuda: no cuda device here (" in err and "expected one this host has: cpu" in err
+    if getattr(torch, "npu", None) is None:
+        assert stage2.main(["--backend", "torch", "--device", "npu"]) == 2
+        assert "no npu device here (torch_npu is not installed)" in one_line(capsys.readouterr().err)
+
+
+ATTENTION = [
+    ([], "splash", "--attention splash: the splash kernel runs on a TPU only, and this run's JAX "
+     "platform is cpu; expected one that runs here: jax_dpa, reference, sdpa, splash_interpret"),
+    ([], "flash", "--attention 'flash': expected one of reference, sdpa, jax_dpa, splash, "
+     "splash_interpret"),
+    (["--backend", "torch"], "splash", "--attention 'splash': expected one of reference, sdpa "
+     "with --backend torch (jax_dpa, splash and splash_interpret are the JAX backend's)"),
+]
+
+
+@pytest.mark.parametrize("argv, name, message", ATTENTION, ids=["jax splash", "jax flash",
+                                                                "torch splash"])
+def test_an_attention_lowering_that_cannot_run_here_is_one_line(no_work, capsys, argv, name,
+                                                                message):
+    import jax
+    if jax.default_backend() == "tpu":
+        pytest.skip("splash runs here")
+    assert stage2.main([*argv, "--attention", name, "--compile_cache_dir", "none"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in one_line(err), err
+    assert listing(no_work) == []
+
+
+def test_the_jax_attention_names_are_tpu_attentions_lowerings():
+    from tpu import attention
+    assert set(platforms.JAX_ATTENTION) == set(attention.IMPLEMENTATIONS)
+
+
+# --- quiet stderr ---------------------------------------------------------------------------
+
+def test_the_default_command_is_silent_on_stderr_with_libtpu_on_a_cpu_host(tmp_path):
+    """libtpu (jax[tpu]) installed, JAX_PLATFORMS unset, only a CPU here: no libtpu noise."""
+    if not platforms.libtpu_noise_here():
+        pytest.skip("libtpu is not installed, or this host has an accelerator")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, str(STAGE2), "--num_inference_steps", "2",
+                          "--output_dir", str(tmp_path / "q"), "--compile_cache_dir", "none",
+                          "--no_progress"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr == ""
+    assert "cpu" in out.stdout and "wrote" in out.stdout
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, "cpu"),  # unset: the CPU, said up front
+    ({"JAX_PLATFORMS": ""}, ""),  # set, even to "choose for me": the user's
+    ({"JAX_PLATFORMS": "tpu,cpu"}, "tpu,cpu"),
+    ({"JAX_FORCE_TPU_INIT": "1"}, None),
+])
+def test_the_cpu_default_applies_only_where_jax_platforms_is_unset(environ, expected):
+    if not platforms.libtpu_noise_here():
+        pytest.skip("libtpu is not installed, or this host has an accelerator")
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_FORCE_TPU_INIT")}
+    out = subprocess.run([sys.executable, "-c", "import os, sampling; "
+                          "print(os.environ.get('JAX_PLATFORMS'))"], cwd=ROOT,
+                         env={**env, **environ}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.strip() == str(expected)
+
+
+def test_a_tpu_or_gpu_device_keeps_jax_platforms_unset(monkeypatch):
+    monkeypatch.setattr(platforms, "tpu_evidence", lambda: ["/dev/vfio/0"])
+    assert not platforms.libtpu_noise_here()
+    monkeypatch.setattr(platforms, "tpu_evidence", lambda: [])
+    monkeypatch.setattr(platforms, "gpu_evidence", lambda: ["/dev/nvidia0"])
+    assert not platforms.libtpu_noise_here()
