@@ -51,7 +51,12 @@ AOT = [
     (["--height", "65"], "--height 65: expected a positive multiple of 32"),
     (["--width", "0"], "--width 0: expected a positive integer"),
     (["--sample_shift", "-1"], "--sample_shift -1.0: expected a finite number > 0"),
-    (["--guidance_scale", "nan"], "--guidance_scale nan: expected a finite number >= 0"),
+    (["--guidance_scale", "nan"], "--guidance_scale nan: expected a number in [0, 100]"),
+    (["--guidance_scale", "1e39"], "--guidance_scale 1e+39: expected a number in [0, 100]"),
+    (["--num_inference_steps", "1000000000"], "--num_inference_steps 1000000000: expected an "
+     "integer in [1, 1000]"),
+    (["--height", "100000", "--width", "100000"], "--height 100000, --width 100000, "
+     "--video_length 9: 29,296,875 tokens per model call; expected at most 1,048,576"),
     (["--json", "missing/r.json"], "--json 'missing/r.json': expected a file in an existing, "
      "writable folder"),
     (["--topology", "v6e:2x3"], "--topology v6e:2x3: not a v6e slice Cloud TPU offers; expected "

@@ -54,6 +54,7 @@ from sampling.pipelines import PIPELINES, SizeError, get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
 from sampling.schedulers import SOLVERS, SchedulerError, make_scheduler  # noqa: E402
 from sampling.stage_io import StageFileError, check_writable_file  # noqa: E402
+from sampling.stage2 import MAX_GUIDANCE, MAX_STEPS, MAX_TOKENS  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import WEIGHT_SHARDINGS, make_mesh  # noqa: E402
 
@@ -541,7 +542,11 @@ def run(args) -> dict:
     for flag in ("height", "width", "video_length", "num_inference_steps"):
         value = getattr(args, flag)
         if value is not None:
-            given[flag] = as_int(f"--{flag}", value, minimum=1, expected="a positive integer")
+            steps_flag = flag == "num_inference_steps"
+            given[flag] = as_int(f"--{flag}", value, minimum=1,
+                                 maximum=MAX_STEPS if steps_flag else None,
+                                 expected=f"an integer in [1, {MAX_STEPS}]" if steps_flag
+                                 else "a positive integer")
     if args.computed_fraction is not None and not 0 < args.computed_fraction <= 1:
         raise AotError(f"--computed_fraction {args.computed_fraction}: expected in (0, 1]")
     size = tuple(given.get(k, d) for k, d in
@@ -550,6 +555,10 @@ def run(args) -> dict:
         latent_shape = pipe.latent_shape(*size)
     except SizeError as exc:
         raise AotError(f"--{exc.name} {exc.value}: expected {exc.expected}") from None
+    tokens = pipe.tokens(latent_shape)
+    if tokens > MAX_TOKENS:  # the same bound as stage 2's
+        raise AotError(f"--height {size[0]}, --width {size[1]}, --video_length {size[2]}: "
+                       f"{tokens:,} tokens per model call; expected at most {MAX_TOKENS:,}")
     steps = given.get("num_inference_steps", pipe.steps)
     shift = as_number("--sample_shift", args.sample_shift, above=0.0,
                       expected="a finite number > 0 (1.0 = no shift)") \
@@ -557,8 +566,8 @@ def run(args) -> dict:
     solver = args.sample_solver or pipe.solver
     guidance = args.guidance_scale
     if guidance is not None:
-        as_number("--guidance_scale", guidance, minimum=0.0,
-                  expected="a finite number >= 0 (1 turns CFG off)")
+        as_number("--guidance_scale", guidance, minimum=0.0, maximum=MAX_GUIDANCE,
+                  expected=f"a number in [0, {MAX_GUIDANCE:g}] (1 turns CFG off)")
     cfg_on = any(pipe.guidance_for(e, guidance) != 1.0 for e, _ in pipe.experts)
     fused = config.cfg_mode == "fused"
     if fused and not cfg_on:
