@@ -185,7 +185,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cond and uncond on two device groups in one call (implies --cfg_mode "
                         "fused); uses 2 x sp_size devices")
     g.add_argument("--multihost", action="store_true",
-                   help="call jax.distributed.initialize() first (multi-host TPU slices)")
+                   help="one process per host of a multi-host slice: start jax.distributed first "
+                        "(on Cloud TPU it finds the other hosts itself); process 0 writes")
+    g.add_argument("--coordinator_address", help="--multihost off Cloud TPU: host:port of "
+                   "process 0 (default: JAX_COORDINATOR_ADDRESS or the cluster's environment)")
+    g.add_argument("--num_processes", type=int, help="--multihost off Cloud TPU: processes in "
+                   "the job")
+    g.add_argument("--process_id", type=int, help="--multihost off Cloud TPU: this process's "
+                   "index, 0 to num_processes - 1")
     g.add_argument("--weight_sharding", choices=("replicated", "fsdp"),
                    help="JAX on a mesh: fsdp splits the block weights over the devices, each block "
                         "gathering its own as it runs; replicated keeps every weight on every "
@@ -295,6 +302,18 @@ def _check_flags(args) -> None:
     if args.weight_sharding == "fsdp" and args.sp_size == 1 and not args.cfg_parallel:
         raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
                          "devices; give --sp_size > 1 or --cfg_parallel")
+    if not args.multihost and any(v is not None for v in (args.coordinator_address,
+                                                          args.num_processes, args.process_id)):
+        raise UsageError("--coordinator_address, --num_processes and --process_id belong to "
+                         "--multihost")
+    if args.multihost and args.backend != "jax":
+        raise UsageError("--multihost starts JAX's distributed runtime; the torch backend runs "
+                         "several processes under torchrun instead")
+    if args.num_processes is not None:
+        as_int("--num_processes", args.num_processes, minimum=1)
+    if args.process_id is not None:
+        as_int("--process_id", args.process_id, minimum=0,
+               maximum=(args.num_processes - 1) if args.num_processes else None)
     for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir", "budget_profile"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} '': expected a path")
@@ -571,6 +590,14 @@ def torch_parallel(args):
         raise UsageError(str(exc)) from None
 
 
+def backend_writer(args) -> bool:
+    """Whether this process writes and prints: all but process 0 of a multi-host job stay quiet."""
+    if not args.multihost:
+        return True
+    from tpu.distributed import is_writer
+    return is_writer()
+
+
 def make_backend(args, models, plan, layout=None):
     """The backend the flags ask for. The torch path never imports torchax: torchax renames
     torch's private device to 'jax', which breaks torch.compile in the same process."""
@@ -590,8 +617,6 @@ def make_backend(args, models, plan, layout=None):
         import jax
 
         from sharding.jax_sp import make_mesh
-        if args.multihost:
-            jax.distributed.initialize()
         try:
             mesh = make_mesh(args.sp_size, 2 if args.cfg_parallel else 1)
         except ValueError as exc:
@@ -605,6 +630,9 @@ def run(args) -> dict:
     """The whole stage; returns the report printed and written as telemetry. Under torchrun
     every rank samples (the collectives need them all) and only rank 0 writes and prints."""
     r = resolve(args)
+    if args.multihost:  # before anything touches JAX (importing the backend does)
+        from tpu.distributed import initialize
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
     layout = torch_parallel(args)
     try:
         return _run(args, r, layout)
@@ -616,7 +644,7 @@ def run(args) -> dict:
 
 def _run(args, r, layout) -> dict:
     pipe, config = r["pipe"], r["config"]
-    writer = layout is None or layout.rank == 0
+    writer = layout.rank == 0 if layout is not None else backend_writer(args)
     models = load_models(pipe, args.model_path, r["dtype"])
     plan = SignalPlan.from_config(config)
     backend = make_backend(args, models, plan, layout)

@@ -117,7 +117,7 @@ class JaxOps:
         return self.call("forecast", _tree_lincomb, weights, *(x for _, x in terms))
 
     def memory_fraction(self):
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}  # this host's (multi-host)
         limit = stats.get("bytes_limit")
         return stats["bytes_in_use"] / limit if limit and "bytes_in_use" in stats else None
 
@@ -304,8 +304,10 @@ class JaxBackend:
         d = jax.devices()[0]
         if self.mesh is not None:
             weights = "" if self.weight_sharding == "replicated" else f", weights {self.weight_sharding}"
+            hosts = (f"{jax.process_count()} hosts x {jax.local_device_count()} local, "
+                     if jax.process_count() > 1 else "")
             return (f"{d.platform}:{d.device_kind} x{self.mesh.size} "
-                    f"(sp {self.mesh.shape['sp']}, cfg {self.mesh.shape['cfg']}{weights})")
+                    f"({hosts}sp {self.mesh.shape['sp']}, cfg {self.mesh.shape['cfg']}{weights})")
         return f"{d.platform}:{d.device_kind}"
 
     def activate(self, expert) -> None:
