@@ -142,3 +142,31 @@ def test_output_path_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(StageFileError, match="not a directory"):
         write_stage2(str(tmp_path / "f"), torch.zeros(1), {}, {})
+
+
+def test_what_an_older_version_left_after_a_kill_is_restored(tmp_path):
+    """Before the journal, the old latents were renamed to a `.previous.*.tmp` backup first; a
+    kill then left no latents. The next writer or reader puts the backup back."""
+    write_stage2(str(tmp_path), torch.ones(1), {}, {"run": 1})
+    os.replace(tmp_path / LATENTS, tmp_path / ".previous.abc123.tmp")
+    (tmp_path / ".stage2_latents.safetensors.xyz.tmp").write_bytes(b"half")
+    latents, _, config = read_stage2(str(tmp_path))
+    assert latents.item() == 1.0 and config["run"] == 1
+    assert sorted(os.listdir(tmp_path)) == [CONFIG, LATENTS]
+
+
+def test_a_live_writers_temporary_file_is_not_taken_for_a_stale_one(tmp_path):
+    held = stage_io._temporary(str(tmp_path), LATENTS)  # flock'ed by this process
+    try:
+        stage_io.remove_stale(str(tmp_path), (LATENTS,))
+        assert os.path.exists(held)
+        other = os.open(held, os.O_RDONLY)  # as another process sees it: locked
+        try:
+            import fcntl
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(other)
+    finally:
+        stage_io._release(held)
+    assert os.listdir(tmp_path) == []
