@@ -134,7 +134,8 @@ def check_torch_attention(name: str | None) -> None:
     if name is None:
         return
     from modules import ops
-    names = ops.implementations("attention")
+    # the JAX lowerings register themselves too once tpu.attention is imported in this process
+    names = [n for n in ops.implementations("attention") if n not in JAX_ATTENTION]
     if name not in names:
         jax_only = " (jax_dpa, splash and splash_interpret are the JAX backend's)" \
             if name in JAX_ATTENTION else ""
