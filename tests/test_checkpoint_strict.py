@@ -35,6 +35,7 @@ from modules.checkpoint import (
 from modules.vae import VAES, VaeError, build_tiny, load_vae
 from sampling import calibrate
 from tests.model_inputs import random_model
+from tests.test_refusals import refused
 from tests.test_stage3 import stage2_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,14 +320,6 @@ def test_all_finite_finds_one_bad_element_anywhere(dtype, bad):
 
 # --- the commands: one line, exit 2, nothing written ---------------------------------------------
 
-def _one_line_refusal(main, argv, capsys, *needles):
-    capsys.readouterr()
-    assert main(argv) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1, err
-    for needle in needles:
-        assert needle in err, err
-
 
 def test_stage2_command_refuses_a_tampered_checkpoint_in_one_line(saved, tmp_path):
     weights = saved / WEIGHTS_NAME
@@ -346,7 +339,7 @@ def test_stage2_command_refuses_a_tampered_checkpoint_in_one_line(saved, tmp_pat
 def test_stage2_command_refuses_a_nan_weight_and_writes_nothing(saved, tmp_path, capsys):
     weights = _poison(saved, math.nan)
     out = tmp_path / "out"
-    _one_line_refusal(stage2.main, ["--model", MODEL, "--model_path", str(saved),
+    refused(stage2.main, ["--model", MODEL, "--model_path", str(saved),
                                     "--num_inference_steps", "2", "--output_dir", str(out)],
                       capsys, f"{weights}: tensor 'blocks.1.ffn.0.weight' holds 1 NaN")
     assert not out.exists()
@@ -355,7 +348,7 @@ def test_stage2_command_refuses_a_nan_weight_and_writes_nothing(saved, tmp_path,
 def test_calibrate_refuses_a_nan_weight_before_sampling(saved, tmp_path, capsys):
     """It used to sample NaN and stop in a traceback ("expected non-empty vector", item 8)."""
     weights = _poison(saved, math.nan)
-    _one_line_refusal(calibrate.main, ["--model", MODEL, "--model_path", str(saved),
+    refused(calibrate.main, ["--model", MODEL, "--model_path", str(saved),
                                        "--out", str(tmp_path / "p.json")],
                       capsys, f"{weights}: tensor 'blocks.1.ffn.0.weight' holds 1 NaN")
     assert not (tmp_path / "p.json").exists()
@@ -368,7 +361,7 @@ def test_stage2_command_prints_a_checkpoint_that_does_not_fit_in_one_line(saved,
     del sd["blocks.1.norm3.bias"]
     sd["blocks.0.self_attn.q.weight"] = torch.zeros(24, 12)
     save_file(sd, saved / WEIGHTS_NAME)
-    _one_line_refusal(stage2.main, ["--model", MODEL, "--model_path", str(saved),
+    refused(stage2.main, ["--model", MODEL, "--model_path", str(saved),
                                     "--output_dir", str(tmp_path / "out")], capsys,
                       f"{saved} does not fit the model: missing (1): blocks.1.norm3.bias; "
                       "unexpected (7): blocks.0.extra0.weight, blocks.0.extra1.weight, "
@@ -462,6 +455,6 @@ def test_stage3_command_refuses_a_garbage_pth_in_one_line(tmp_path, capsys, cont
     vae = tmp_path / "vae.pth"
     vae.write_bytes(content) if isinstance(content, bytes) else torch.save(content, vae)
     before = sorted(p.name for p in (tmp_path / "in").iterdir())
-    _one_line_refusal(stage3.main, ["--input_dir", str(tmp_path / "in"), "--vae_path", str(vae)],
+    refused(stage3.main, ["--input_dir", str(tmp_path / "in"), "--vae_path", str(vae)],
                       capsys, f"--vae_path {vae}{message}")
     assert sorted(p.name for p in (tmp_path / "in").iterdir()) == before
