@@ -6,6 +6,7 @@ random-weight one of the same architecture, and loading a checkpoint (diffusers 
     Wan2.2 VAE  (wan2.2-ti2v-5b)   AutoencoderKLWan, z 48, 4x temporal, 16x spatial = 8x convs and
                                    a 2x2 patchify (is_residual, patch_size 2, 12 in/out channels)
     HunyuanVideo-1.5 VAE           AutoencoderKLHunyuanVideo15, z 32, 4x temporal, 16x spatial
+    pixels (wan-tiny-trained)      `PixelLatents`: the latent is the clip itself in [-1, 1]
 
 diffusers is imported only when a VAE is built, so a bad path fails before that 5 s import.
 """
@@ -88,10 +89,37 @@ VAES = {
 }
 
 
+class _Config(dict):
+    """Attribute access like diffusers' FrozenDict, which the helpers below read."""
+
+    __getattr__ = dict.__getitem__
+
+
+class PixelLatents(torch.nn.Module):
+    """The trivially invertible latent mapping of the tiny models trained in pixel space
+    (issue 28): the latent is the clip, channels first, in [-1, 1]; decode is the identity."""
+
+    def __init__(self, channels: int = 3):
+        super().__init__()
+        self.config = _Config(z_dim=channels, scaling_factor=1.0, scale_factor_spatial=1,
+                              scale_factor_temporal=1)
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        return video.clamp(-1.0, 1.0)
+
+    def decode(self, z: torch.Tensor, return_dict: bool = False):
+        return (z.clamp(-1.0, 1.0),)
+
+
+PIXELS = VaeSpec("pixels", "PixelLatents", 3, (1, 1), config={})
+
+
 def spec_for(pipe) -> VaeSpec:
     """The VAE a sampling.pipelines.Pipeline decodes with (by family and spatial stride)."""
     if pipe.family == "hunyuan_video15":
         spec = VAES["hunyuanvideo-1.5-vae"]
+    elif pipe.family == "wan" and tuple(pipe.vae_stride) == PIXELS.stride:
+        spec = PIXELS
     elif pipe.family == "wan":
         spec = VAES["wan2.1-vae" if pipe.vae_stride[1] == 8 else "wan2.2-vae"]
     else:
@@ -110,6 +138,8 @@ def _diffusers_class(spec: VaeSpec):
 
 def build_tiny(spec: VaeSpec, z_dim: int, seed: int = 0, dtype=torch.float32):
     """A random-weight VAE of the spec's architecture; the same seed gives the same weights."""
+    if spec is PIXELS:
+        return PixelLatents(z_dim)
     cls = _diffusers_class(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -130,6 +160,9 @@ _CONFIG = "config.json"
 
 def load_vae(spec: VaeSpec, path: str, dtype=torch.float32):
     """A VAE from a diffusers folder (config.json + weights) or a single weights file."""
+    if spec is PIXELS:
+        raise VaeError(f"--vae_path {path}: this model samples in pixel space (its latent is the "
+                       "clip itself); expected no --vae_path")
     if not os.path.exists(path):
         raise VaeError(f"--vae_path {path} does not exist; expected a diffusers VAE folder "
                        f"({_CONFIG} + diffusion_pytorch_model.safetensors) or one "

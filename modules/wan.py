@@ -87,6 +87,11 @@ CONFIGS: dict[str, WanConfig] = {
                                out_dim=4, model_type="ti2v", text_len=16, text_dim=16),
     "wan-tiny-i2v": WanConfig(dim=24, ffn_dim=32, num_layers=4, num_heads=2, in_dim=12,
                               out_dim=4, model_type="i2v", text_len=16, text_dim=16),
+    # The tiny model trained here on procedural clips (assets/tiny-wan-ti2v, bench/fixtures):
+    # pixel space (3 channels), one 4x4 token per patch.
+    "wan-tiny-trained": WanConfig(dim=96, ffn_dim=256, num_layers=6, num_heads=4, in_dim=3,
+                                  out_dim=3, model_type="ti2v", patch_size=(1, 4, 4), text_len=16,
+                                  text_dim=64),
 }
 
 # Parameters that stay fp32 when the rest is cast to bf16: the official code runs the time

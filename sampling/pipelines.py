@@ -10,11 +10,15 @@ one clip's tensors out of the stage-1 ones, and `conditions` maps those.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 
 from modules.registry import get_config
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RANDOM = "random"
 
 # Stage-1 tensor names as the existing TPU port writes them (tpu_notes 1.2), plus our image keys.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,6 +61,18 @@ class Pipeline:
     boundary: float | None = None  # expert switch: "high" while t >= boundary (trap T6)
     checkpoint_dirs: dict = field(default_factory=dict)  # expert -> subfolder of --model_path
     clips: int = 1  # S2V: clips of synthetic audio (stage files: as many as the audio holds)
+    # Weights without --model_path: None (real models: the flag is required), RANDOM (tiny
+    # random weights from a fixed seed) or a checkpoint folder under the repository.
+    builtin: str | None = None
+    fps: float = 24.0  # of the decoded video (the official sample_fps)
+    enlarge: int = 1  # stage 3 writes the video this many times larger (nearest neighbour)
+
+    @property
+    def builtin_path(self) -> str | None:
+        """The committed checkpoint folder this pipeline loads without --model_path, if any."""
+        if self.builtin in (None, RANDOM):
+            return None
+        return os.path.join(REPO_ROOT, self.builtin)
 
     @property
     def config(self):
@@ -303,21 +319,26 @@ PIPELINES: dict[str, Pipeline] = {
     # Tiny random-weight pipelines: same code paths, seconds on a CPU.
     "hunyuanvideo-tiny": Pipeline("hunyuanvideo-tiny", "hunyuan_video15",
                                   ((None, "hunyuanvideo-tiny"),), "t2v", "euler", 5.0, 6.0, 50,
-                                  (64, 80, 9), (4, 16)),
+                                  (64, 80, 9), (4, 16), builtin=RANDOM),
     "hunyuanvideo-tiny-meanflow": Pipeline(
         "hunyuanvideo-tiny-meanflow", "hunyuan_video15", ((None, "hunyuanvideo-tiny-meanflow"),),
-        "i2v", "euler", 7.0, 1.0, 12, (64, 80, 9), (4, 16)),
+        "i2v", "euler", 7.0, 1.0, 12, (64, 80, 9), (4, 16), builtin=RANDOM),
     "wan-tiny-ti2v": Pipeline("wan-tiny-ti2v", "wan", ((None, "wan-tiny-ti2v"),), "ti2v", "unipc",
-                              5.0, 5.0, 50, (128, 192, 9), (4, 16)),
+                              5.0, 5.0, 50, (128, 192, 9), (4, 16), builtin=RANDOM),
     "wan-tiny-i2v": Pipeline("wan-tiny-i2v", "wan", (("high", "wan-tiny-i2v"), ("low", "wan-tiny-i2v")),
                              "i2v", "unipc", 5.0, (3.5, 3.5), 40, (64, 96, 9), (4, 8),
-                             boundary=900.0),
+                             boundary=900.0, builtin=RANDOM, fps=16.0),
+    # Trained here on procedural clips (issue 28): pixel space (the latent is the clip in
+    # [-1, 1], vae_stride (1, 1)), 4 frames of 16x16, sampled as it was evaluated (shift 5, CFG 5).
+    "wan-tiny-trained": Pipeline("wan-tiny-trained", "wan", ((None, "wan-tiny-trained"),), "ti2v",
+                                 "unipc", 5.0, 5.0, 50, (16, 16, 4), (1, 1),
+                                 builtin="assets/tiny-wan-ti2v", fps=4.0, enlarge=8),
     # wan/configs/wan_s2v_14B.py: shift 3, 40 steps, guidance 4.5; generate.py: unipc, 80 frames
     # a clip; 704 x 1280 is the largest 64-multiple size within the default 1280*720 area
     "wan2.2-s2v-14b": Pipeline("wan2.2-s2v-14b", "wan", ((None, "wan2.2-s2v-14b"),), "s2v",
-                               "unipc", 3.0, 4.5, 40, (704, 1280, 80), (4, 8)),
+                               "unipc", 3.0, 4.5, 40, (704, 1280, 80), (4, 8), fps=16.0),
     "wan-tiny-s2v": Pipeline("wan-tiny-s2v", "wan", ((None, "wan-tiny-s2v"),), "s2v", "unipc",
-                             3.0, 4.5, 40, (64, 64, 16), (4, 8), clips=3),
+                             3.0, 4.5, 40, (64, 64, 16), (4, 8), clips=3, builtin=RANDOM, fps=16.0),
 }
 DEFAULT_PIPELINE = "hunyuanvideo-tiny"
 

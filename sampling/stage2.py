@@ -417,11 +417,10 @@ def resolve(args) -> dict:
                          f"{budget['calibrated_steps']} steps and the error a schedule makes "
                          f"depends on it; this run has {steps}: run at "
                          f"{budget['calibrated_steps']} or calibrate at {steps}")
-    if args.model_path is None and not pipe.name.endswith(("tiny", "tiny-ti2v", "tiny-i2v",
-                                                           "tiny-meanflow", "tiny-s2v")):
+    if args.model_path is None and pipe.builtin is None:
+        builtin = ", ".join(n for n, p in PIPELINES.items() if p.builtin is not None)
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
-                         f"(or pick a tiny model: hunyuanvideo-tiny, wan-tiny-ti2v, wan-tiny-i2v, "
-                         f"wan-tiny-s2v)")
+                         f"(or pick a model with built-in weights: {builtin})")
     if args.num_clips is not None and pipe.task != "s2v":
         raise UsageError(f"--num_clips belongs to speech-to-video models; {pipe.name} samples one "
                          "clip")
@@ -526,6 +525,8 @@ def _has_image(directory):
 def load_models(pipe, model_path, dtype, seed: int = 0) -> dict:
     """expert -> model: from the checkpoint(s), or tiny random weights drawn from a fixed seed."""
     models = {}
+    if model_path is None and pipe.builtin_path is not None:
+        model_path = pipe.builtin_path
     for i, (expert, name) in enumerate(pipe.experts):
         if model_path is None:
             torch.manual_seed(seed + i)

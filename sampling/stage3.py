@@ -20,6 +20,7 @@ import time
 import torch
 
 from modules.vae import (
+    PIXELS,
     VaeError,
     build_tiny,
     enable_tiling,
@@ -81,9 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_fps(pipe) -> float:
-    """The official sample_fps: Wan2.2 I2V-A14B 16, TI2V-5B 24 (model_spec 2.5, 2.6); 24 for
-    HunyuanVideo-1.5."""
-    return 16.0 if pipe.family == "wan" and pipe.task == "i2v" else 24.0
+    """The official sample_fps: Wan2.2 I2V-A14B and S2V 16, TI2V-5B 24 (model_spec 2.5, 2.6);
+    24 for HunyuanVideo-1.5 (`Pipeline.fps`)."""
+    return pipe.fps
 
 
 def _pipeline_name(args, config, metadata) -> str:
@@ -176,6 +177,10 @@ def resolve(args) -> dict:
 def build_vae(pipe, vae_path, dtype):
     """(vae, description): from the checkpoint, or tiny random weights from a fixed seed."""
     spec = spec_for(pipe)
+    if spec is PIXELS:
+        if vae_path is not None:
+            load_vae(spec, vae_path, dtype)  # refuses: a pixel-space model has no VAE
+        return build_tiny(spec, pipe.latent_channels), "none (the latent is the clip)"
     if vae_path is None:
         vae = build_tiny(spec, pipe.latent_channels, seed=TINY_VAE_SEED, dtype=dtype)
         return vae, f"{spec.name} (tiny, random weights)"
@@ -206,6 +211,17 @@ def _distributed(device: torch.device):
     if not dist.is_initialized():
         dist.init_process_group(_BACKENDS.get(device.type, "gloo"))  # env:// from torchrun
     return dist.get_rank(), dist.get_world_size()
+
+
+def enlarge(frames, factor: int):
+    """Frames enlarged by a whole factor (nearest neighbour): `Pipeline.enlarge` of the tiny
+    pixel-space model, whose 16x16 clips players show as a dot and whose pixels H.264's
+    half-resolution colour (yuv420p) would blur together."""
+    import numpy as np
+
+    if factor <= 1:
+        return frames
+    return np.repeat(np.repeat(frames, factor, axis=1), factor, axis=2)
 
 
 def to_frames(video: torch.Tensor):
@@ -260,15 +276,19 @@ def _run(args, r, rank, world, device):
         raise VaeError(f"the VAE decoded {list(frames.shape[:3])} (frames, height, width); the "
                        f"latents call for {list(expected)}"
                        + ("; choose another --tile_size" if args.tiled else ""))
+    factor = pipe.enlarge
+    frames = enlarge(frames, factor)
     config = dict(r["config"])
     fields = dict(output_video=os.path.join(r["output_dir"], VIDEO),
                   stage3_decode_time=round(seconds, 3), vae=vae_name, vae_dtype=args.dtype,
-                  video_frames=expected[0], video_height=expected[1],
-                  video_width=expected[2], vae_patch_parallel_ranks=world,
+                  video_frames=expected[0], video_height=frames.shape[1],
+                  video_width=frames.shape[2], video_enlarged=factor,
+                  vae_patch_parallel_ranks=world,
                   vae_patch_grid=report["grid"], vae_tiled=args.tiled)
     config.update(fps=r["fps"], **fields)
     report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config)
-    report["video"] = list(expected)
+    report["video"] = list(frames.shape[:3])
+    report["enlarged"] = factor
     return report
 
 
@@ -281,7 +301,8 @@ def format_summary(report: dict) -> str:
              + (", tiled" if report["tiled"] else "")]
     if "video" in report:
         f, h, w = report["video"]
-        lines.append(f"video: {f} frames {w}x{h} at {report['fps']:g} fps")
+        lines.append(f"video: {f} frames {w}x{h} at {report['fps']:g} fps"
+                     + (f" (enlarged {report['enlarged']}x)" if report["enlarged"] > 1 else ""))
         lines.append("wrote " + ", ".join(report["outputs"].values()))
     return "\n".join(lines)
 

@@ -40,8 +40,8 @@ CONFIG = "generation_config.json"
 VIDEO = "output_video.mp4"
 # what stage 3 adds to the config: a stage-2 rerun drops them (they describe the old latents' video)
 STAGE3_FIELDS = ("output_video", "stage3_decode_time", "vae", "vae_dtype", "video_frames",
-                 "video_height", "video_width", "vae_patch_parallel_ranks", "vae_patch_grid",
-                 "vae_tiled")
+                 "video_height", "video_width", "video_enlarged", "vae_patch_parallel_ranks",
+                 "vae_patch_grid", "vae_tiled")
 PAIR_ID = "stage2_pair_id"  # in the latents' metadata and the config: one id per written pair
 
 
