@@ -347,6 +347,19 @@ def to_vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     return latents / cfg.scaling_factor
 
 
+def from_vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_vae_latents`, for what an encode returns (stage 1's image latents):
+    Wan `(z - mean) * (1 / std)` per channel, as the official vae2_1.py / vae2_2.py scale it;
+    HunyuanVideo-1.5 `z * scaling_factor`."""
+    cfg = vae.config
+    if "latents_mean" in cfg:
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean, dtype=latents.dtype).view(shape)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=latents.dtype).view(shape)
+        return (latents - mean.to(latents.device)) * inv_std.to(latents.device)
+    return latents * cfg.scaling_factor
+
+
 def spatial_ratio(vae) -> int:
     cfg = vae.config
     return int(cfg.scale_factor_spatial if "scale_factor_spatial" in cfg else cfg.spatial_compression_ratio)
