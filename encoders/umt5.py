@@ -40,6 +40,7 @@ from modules.checkpoint import (
     nonfinite_message,
     read_headers,
 )
+from modules.vae import one_line
 
 from .request import EncoderInputError
 
@@ -148,10 +149,6 @@ def clean(text: str) -> str:
 
 # --- checkpoint headers ---------------------------------------------------------------------------
 
-def _one_line(exc: BaseException, limit: int | None = 200) -> str:
-    return " ".join(str(exc).split())[:limit]
-
-
 def _official_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Key -> (shape, dtype) of a .pth state dict, unpickled onto the meta device: no tensor
     data is read."""
@@ -159,7 +156,7 @@ def _official_shapes(path: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
         state = torch.load(str(path), map_location="meta", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         raise EncoderInputError(str(path), f"is not a readable PyTorch checkpoint "
-                                f"({type(exc).__name__}: {_one_line(exc)})",
+                                f"({type(exc).__name__}: {one_line(exc)})",
                                 "the umT5 encoder state dict of the Wan2.2 release") from None
     if not isinstance(state, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
@@ -209,7 +206,7 @@ def _diffusers_config(folder: Path):
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise EncoderInputError(str(path), f"is missing or not JSON ({_one_line(exc)})",
+        raise EncoderInputError(str(path), f"is missing or not JSON ({one_line(exc)})",
                                 "the config.json of a UMT5EncoderModel") from None
     if not isinstance(values, dict) or values.get("model_type") != "umt5":
         kind = values.get("model_type") if isinstance(values, dict) else None
@@ -222,7 +219,7 @@ def _diffusers_shapes(folder: Path):
     try:
         headers = read_headers(checkpoint_files(folder))
     except CheckpointError as exc:
-        raise EncoderInputError(str(folder), _one_line(exc, None),
+        raise EncoderInputError(str(folder), one_line(exc),
                                 "UMT5EncoderModel weights as save_pretrained writes them") from None
     return headers, {k: (torch.Size(v.shape), v.dtype) for k, v in headers.items()}
 
@@ -265,7 +262,7 @@ def _checked_model(files: TextFiles, text_dim: int):
     try:
         check_against(model, {k: tuple(s) for k, (s, _) in shapes.items()}, "the checkpoint")
     except CheckpointError as exc:
-        raise EncoderInputError(str(files.encoder), _one_line(exc, None).replace(
+        raise EncoderInputError(str(files.encoder), one_line(exc).replace(
             "the model", f"a umT5 encoder of {config.num_layers} layers, width {config.d_model}"),
             "the umT5 encoder's keys and shapes") from None
     return model, shapes, source

@@ -26,14 +26,21 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from modules.checkpoint import CheckpointError, read_header
-from modules.vae import VaeError, build_tiny, from_vae_latents, latent_channels, load_vae, spec_for
+from modules.vae import (
+    VaeError,
+    build_tiny,
+    from_vae_latents,
+    latent_channels,
+    load_vae,
+    one_line,
+    spec_for,
+)
 from sampling.pipelines import SizeError
 
 from . import umt5
@@ -140,7 +147,7 @@ def load_image(path: str):
             image.load()
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
+        reason = one_line(exc) or type(exc).__name__
         raise EncoderInputError("--image", f"{path} cannot be decoded ({reason})", expected) \
             from None
 
@@ -191,14 +198,6 @@ def i2v_condition(latents: torch.Tensor, frames: int, temporal_stride: int) -> t
 
 # --- what a request needs -------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Plan:
-    text: umt5.TextFiles | None  # None: weights not given (check only)
-    vae: Path | None
-    image: object | None  # PIL image
-    size: tuple[int, int, int] | None  # (height, width, frames) the image decides
-
-
 def _takes_image(pipeline, request) -> bool:
     return pipeline.task in ("ti2v", "i2v") and request.image is not None
 
@@ -223,7 +222,7 @@ def _image_plan(pipeline, request):
     try:
         pipeline.latent_shape(height, width, frames)
     except SizeError as exc:
-        flag = "--frames" if exc.name == "video_length" else "--image"
+        flag = "--video_length" if exc.name == "video_length" else "--image"
         raise EncoderInputError(flag, f"a {image.width}x{image.height} image gives a "
                                 f"{width}x{height} video of {frames} frames, and {exc.name} "
                                 f"{exc.value} does not fit", exc.expected) from None
@@ -246,7 +245,7 @@ def _check_vae_folder(pipeline, folder: Path) -> None:
         for file in sorted(folder.glob("*.safetensors")):
             read_header(file)
     except CheckpointError as exc:
-        raise EncoderInputError(str(folder), " ".join(str(exc).split()), expected) from None
+        raise EncoderInputError(str(folder), one_line(exc), expected) from None
 
 
 def _vae_path(pipeline, weights: Path, layout: str) -> Path:
@@ -265,16 +264,16 @@ def _vae_path(pipeline, weights: Path, layout: str) -> Path:
     return path
 
 
-def _plan(pipeline, request, weights) -> _Plan:
+def _check_family(pipeline) -> None:
     if pipeline.family != "wan":
         raise ValueError(f"encoders.wan encodes for the Wan pipelines, not {pipeline.name}")
-    image, size = _image_plan(pipeline, request)
-    if weights is None:
-        return _Plan(None, None, image, size)
+
+
+def _weight_files(pipeline, weights, image: bool) -> tuple[umt5.TextFiles, Path | None]:
+    """The text encoder files and (for an image) the VAE of a weights folder, checked."""
     text = umt5.locate(weights)
     umt5.check_files(text, pipeline.config.text_dim)
-    vae = _vae_path(pipeline, Path(weights), text.layout) if size is not None else None
-    return _Plan(text, vae, image, size)
+    return text, _vae_path(pipeline, Path(weights), text.layout) if image else None
 
 
 # --- tiny weights ---------------------------------------------------------------------------------
@@ -305,7 +304,10 @@ def check(pipeline, request, weights) -> None:
     """Everything that can be refused before model work: the image (present where required,
     decodable, a size that fits), the tokenizer folder's files, the text encoder's and VAE's
     headers; S2V's audio and reference image through `wan_audio.check`."""
-    _plan(pipeline, request, weights)
+    _check_family(pipeline)
+    _, size = _image_plan(pipeline, request)
+    if weights is not None:
+        _weight_files(pipeline, weights, image=size is not None)
     if pipeline.task == "s2v":
         from . import wan_audio
 
@@ -317,7 +319,7 @@ def _load_vae(pipeline, path: Path, device):
     try:
         vae = load_vae(spec, str(path))
     except VaeError as exc:
-        raise EncoderInputError(str(path), " ".join(str(exc).split()).removeprefix("--vae_path "),
+        raise EncoderInputError(str(path), one_line(exc).removeprefix("--vae_path "),
                                 f"the {spec.name} weights") from None
     if latent_channels(vae) != pipeline.latent_channels:
         raise EncoderInputError(str(path), f"encodes {latent_channels(vae)} latent channels",
@@ -337,18 +339,19 @@ def _text_tensors(pipeline, request, files: umt5.TextFiles, device) -> dict:
 
 def encode(pipeline, request, weights, device="cpu") -> tuple[dict, dict]:
     """(stage-1 tensors, the generation-config fields the image decides) for one request."""
-    root = Path(weights) if weights is not None else tiny_weights(
-        pipeline, image=_takes_image(pipeline, request))
-    plan = _plan(pipeline, request, root)
-    vae = _load_vae(pipeline, plan.vae, device) if plan.vae is not None else None
-    tensors, config = _text_tensors(pipeline, request, plan.text, device), {}
-    if plan.size is not None:
-        height, width, frames = plan.size
+    _check_family(pipeline)
+    image, size = _image_plan(pipeline, request)
+    root = weights if weights is not None else tiny_weights(pipeline, image=size is not None)
+    text, vae_path = _weight_files(pipeline, root, image=size is not None)
+    vae = _load_vae(pipeline, vae_path, device) if vae_path is not None else None
+    tensors, config = _text_tensors(pipeline, request, text, device), {}
+    if size is not None:
+        height, width, frames = size
         config = {"height": height, "width": width, "video_length": frames}
         if pipeline.task == "ti2v":
-            tensors["image_latents"] = vae_encode(vae, ti2v_frame(plan.image, height, width))
+            tensors["image_latents"] = vae_encode(vae, ti2v_frame(image, height, width))
         else:
-            latents = vae_encode(vae, i2v_video(plan.image, height, width, frames))
+            latents = vae_encode(vae, i2v_video(image, height, width, frames))
             tensors["condition"] = i2v_condition(latents, frames, pipeline.vae_stride[0])
     if pipeline.task == "s2v":
         from . import wan_audio

@@ -163,7 +163,7 @@ def _load_folder(spec, path, dtype):
         try:
             vae = _diffusers_class(spec).from_pretrained(path, torch_dtype=dtype)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise VaeError(f"--vae_path {path}: diffusers could not load it: {_one_line(exc)}") from None
+            raise VaeError(f"--vae_path {path}: diffusers could not load it: {one_line(exc)}") from None
         for key, value in vae.state_dict().items():  # diffusers checks neither dtype nor values
             _check_weight(path, key, value, value)
         return vae.eval()
@@ -178,8 +178,9 @@ def _load_folder(spec, path, dtype):
     return _load_file(spec, os.path.join(path, weights[0]), base, dtype)
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception's text as one line (the commands print errors as one)."""
+def one_line(exc: BaseException) -> str:
+    """An exception's text as one line (the commands print errors as one); for a refused
+    torch.load(weights_only=True), its reason without the paragraph of advice."""
     text = str(exc)
     # torch.load(weights_only=True) wraps the reason in a paragraph of advice: keep the reason
     reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", text, re.S)
@@ -221,7 +222,7 @@ def _read_state_dict(path):
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         raise VaeError(f"--vae_path {path} is not a readable checkpoint ({type(exc).__name__}: "
-                       f"{_one_line(exc)})") from None
+                       f"{one_line(exc)})") from None
     for key in ("state_dict", "model"):  # training checkpoints wrap the weights
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -258,7 +259,7 @@ def _load_file(spec, path, config, dtype):
     try:
         vae.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
-        raise VaeError(f"--vae_path {path} does not fit the {spec.name}: {_one_line(exc)}") from None
+        raise VaeError(f"--vae_path {path} does not fit the {spec.name}: {one_line(exc)}") from None
     return vae.eval()
 
 

@@ -360,7 +360,7 @@ def test_image_refusals(tmp_path):
             "expected the first frame")
     good = image_file(tmp_path / "good.png", 96, 64)
     refused(lambda: wan.check(TI2V, Request("x", image=good, frames=8), None),
-            "--frames", "video_length 8", "4k + 1")
+            "--video_length", "video_length 8", "4k + 1")
     refused(lambda: wan.check(TI2V, Request("x", image=good, height=128), None),
             "--height: given without --width")
     thin = image_file(tmp_path / "thin.png", 1000, 4)
