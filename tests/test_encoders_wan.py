@@ -301,8 +301,8 @@ def test_image_sizes_are_the_official_ones():
 def test_ti2v_crops_and_i2v_stretches(tmp_path):
     """Official preprocessing, where diffusers differs: TI2V resizes to cover and centre-crops
     (red bands at the far left and right are cut off), I2V stretches the whole image by bicubic
-    interpolation on the tensor (the bands stay at the borders). diffusers resizes both without
-    crop (LANCZOS)."""
+    interpolation on the tensor, without antialiasing: the border columns stay pure red (a
+    LANCZOS resize, as diffusers does for both without crop, would blend in the gray)."""
     pixels = torch.full((180, 320, 3), 128, dtype=torch.uint8)
     pixels[:, :10] = pixels[:, -10:] = torch.tensor([255, 0, 0], dtype=torch.uint8)
     image = Image.fromarray(pixels.numpy())
