@@ -462,7 +462,9 @@ def _cast(value: torch.Tensor, family: Family, official_key: str, dtype: torch.d
     return value.to(torch.float32 if _keep_fp32(family, official_key) else dtype)
 
 
-def _check_against(model: nn.Module, shapes: dict[str, tuple], where: str) -> None:
+def check_against(model: nn.Module, shapes: dict[str, tuple], where: str) -> None:
+    """Raise one CheckpointError line listing every key of `shapes` (a checkpoint's, from its
+    headers) missing from, unexpected by or mis-shaped for `model` (a meta-device model will do)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(shapes))
     unexpected = sorted(set(shapes) - set(expected))
@@ -534,7 +536,7 @@ def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | Non
     model = build_model(config, meta=True)
     metas = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in headers.items()}
     converted = from_layout(family.name, metas, layout)
-    _check_against(model, {k: tuple(v.shape) for k, v in converted.items()}, str(path))
+    check_against(model, {k: tuple(v.shape) for k, v in converted.items()}, str(path))
     officials = {name: _official_name(family, name, layout) for name in headers}
     expected = {k: v.dtype for k, v in model.state_dict().items()}
     for name, info in headers.items():

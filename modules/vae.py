@@ -196,7 +196,7 @@ def _load_folder(spec, path, dtype):
         try:
             vae = _diffusers_class(spec).from_pretrained(path, torch_dtype=dtype)
         except (OSError, ValueError, RuntimeError) as exc:
-            raise VaeError(f"--vae_path {path}: diffusers could not load it: {_one_line(exc)}") from None
+            raise VaeError(f"--vae_path {path}: diffusers could not load it: {one_line(exc)}") from None
         for key, value in vae.state_dict().items():  # diffusers checks neither dtype nor values
             _check_weight(path, key, value, value)
         return vae.eval()
@@ -211,8 +211,9 @@ def _load_folder(spec, path, dtype):
     return _load_file(spec, os.path.join(path, weights[0]), base, dtype)
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception's text as one line (the commands print errors as one)."""
+def one_line(exc: BaseException) -> str:
+    """An exception's text as one line (the commands print errors as one); for a refused
+    torch.load(weights_only=True), its reason without the paragraph of advice."""
     text = str(exc)
     # torch.load(weights_only=True) wraps the reason in a paragraph of advice: keep the reason
     reason = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\n\s*\n|$)", text, re.S)
@@ -254,7 +255,7 @@ def _read_state_dict(path):
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
         raise VaeError(f"--vae_path {path} is not a readable checkpoint ({type(exc).__name__}: "
-                       f"{_one_line(exc)})") from None
+                       f"{one_line(exc)})") from None
     for key in ("state_dict", "model"):  # training checkpoints wrap the weights
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -291,7 +292,7 @@ def _load_file(spec, path, config, dtype):
     try:
         vae.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
-        raise VaeError(f"--vae_path {path} does not fit the {spec.name}: {_one_line(exc)}") from None
+        raise VaeError(f"--vae_path {path} does not fit the {spec.name}: {one_line(exc)}") from None
     return vae.eval()
 
 
@@ -378,6 +379,19 @@ def to_vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
         std = torch.tensor(cfg.latents_std, dtype=latents.dtype).view(shape)
         return latents * std.to(latents.device) + mean.to(latents.device)
     return latents / cfg.scaling_factor
+
+
+def from_vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_vae_latents`, for what an encode returns (stage 1's image latents):
+    Wan `(z - mean) * (1 / std)` per channel, as the official vae2_1.py / vae2_2.py scale it;
+    HunyuanVideo-1.5 `z * scaling_factor`."""
+    cfg = vae.config
+    if "latents_mean" in cfg:
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(cfg.latents_mean, dtype=latents.dtype).view(shape)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std, dtype=latents.dtype).view(shape)
+        return (latents - mean.to(latents.device)) * inv_std.to(latents.device)
+    return latents * cfg.scaling_factor
 
 
 def spatial_ratio(vae) -> int:
