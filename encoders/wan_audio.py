@@ -265,8 +265,9 @@ def _tensor_shapes(path: Path, expected: str) -> dict[str, tuple]:
     if path.suffix == ".safetensors":
         try:
             return {k: v.shape for k, v in read_header(path).items()}
-        except CheckpointError as exc:
-            raise EncoderInputError(str(path), _one_line(exc), expected) from None
+        except CheckpointError as exc:  # its message starts with the path
+            text = _one_line(exc).removeprefix(f"{path}: ")
+            raise EncoderInputError(str(path), text, expected) from None
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:  # noqa: BLE001
@@ -344,7 +345,6 @@ def _check_vae(pipeline, root: Path) -> Path:
     if (root / VAE_FILE).is_file():
         path = root / VAE_FILE
         shapes = _tensor_shapes(path, expected)
-        names = ("encoder.conv1.weight", "decoder.conv1.weight")  # official keys
     elif (root / VAE_DIR).is_dir():
         path = root / VAE_DIR
         config = _read_json(path / "config.json", expected)
@@ -355,13 +355,16 @@ def _check_vae(pipeline, root: Path) -> Path:
         if not weights.is_file():
             raise EncoderInputError(str(path), "lacks diffusion_pytorch_model.safetensors", expected)
         shapes = _tensor_shapes(weights, expected)
-        names = ("encoder.conv_in.weight", "decoder.conv_in.weight")  # diffusers keys
     else:
         raise EncoderInputError(str(root), f"has neither {VAE_FILE} nor {VAE_DIR}/", expected)
-    enc, dec = (shapes.get(n) for n in names)
-    if enc is None or dec is None:
-        raise EncoderInputError(str(path), f"holds no Wan VAE (no {names[0]} / {names[1]}; first "
-                                f"keys {sorted(shapes)[:3]})", expected)
+    # official keys, or diffusers ones (load_vae takes either from either container)
+    names = next((n for n in (("encoder.conv1.weight", "decoder.conv1.weight"),
+                              ("encoder.conv_in.weight", "decoder.conv_in.weight"))
+                  if n[0] in shapes and n[1] in shapes), None)
+    if names is None:
+        raise EncoderInputError(str(path), "holds no Wan VAE (no encoder.conv1 / conv_in weight; "
+                                f"first keys {sorted(shapes)[:3]})", expected)
+    enc, dec = shapes[names[0]], shapes[names[1]]
     if enc[1] != 3 or dec[1] != z:
         raise EncoderInputError(str(path), f"holds a VAE of {enc[1]} input and {dec[1]} latent "
                                 "channels", expected)
@@ -472,10 +475,11 @@ def _plan(pipeline, request: Request, wav2vec_config: dict) -> _Plan:
     try:
         pipeline.latent_shape(h, w, frames)
     except ValueError as exc:  # sampling.pipelines.SizeError
-        name = getattr(exc, "name", "size")
-        flag = {"video_length": "--video_length"}.get(name, "--image")
-        what = f"{frames}" if name == "video_length" else \
-            f"{image.size[0]}x{image.size[1]} image within {height} x {width} gives {h} x {w}"
+        name = getattr(exc, "name", "size")  # the area decides the size: --height/--width
+        flag = "--video_length" if name == "video_length" else "--height/--width"
+        what = f"{frames}" if name == "video_length" else (
+            f"{height} x {width} (height x width) leaves a {image.size[1]} x {image.size[0]} "
+            f"image {h} x {w}")
         raise EncoderInputError(flag, what, getattr(exc, "expected", str(exc))) from None
     audio = read_audio(request.audio)
     flag = f"--audio {request.audio}"
@@ -516,6 +520,7 @@ def encode(pipeline, request: Request, weights, device="cpu"):
     """(tensors, config): `audio_embeds` [1, 25, D, clips * F] bf16, `ref_latents`
     [1, 16, 1, H/8, W/8] fp32; config height, width, video_length (F), num_clips, fps."""
     if weights is None:
+        check(pipeline, request, None)  # refusals before anything is built
         with tempfile.TemporaryDirectory(prefix="tiny-s2v-") as folder:
             return encode(pipeline, request, write_tiny_weights(pipeline, folder), device)
     found = _check_weights(pipeline, weights)
