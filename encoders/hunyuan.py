@@ -254,38 +254,49 @@ def _tokenizer_files(folder: Path, what: str, *, chat: bool) -> None:
                                 f"{expected} with the Qwen2.5-VL chat template")
 
 
-def _stored_shapes(path: Path, what: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes from safetensors headers (or a pickle's index, memory-mapped),
-    without reading tensor data."""
-    from modules.checkpoint import CheckpointError, checkpoint_files, read_header
-
+def _load_pickle(path: Path, what: str) -> dict[str, torch.Tensor]:
+    """A .pt/.pth/.bin state dict, memory-mapped (tensor data is read only when used), unwrapped
+    from a training checkpoint's "state_dict"."""
     expected = f"the {what} checkpoint"
-    if path.suffix in (".pt", ".pth", ".bin"):
-        if not path.is_file():
-            raise EncoderInputError(str(path), "is missing", expected)
+    if not path.is_file():
+        raise EncoderInputError(str(path), "is missing", expected)
+    try:
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable pickle is the same user error
-            raise EncoderInputError(str(path), f"is not a readable checkpoint ({type(exc).__name__}"
-                                    f": {' '.join(str(exc).split())[:200]})", expected) from None
-        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-            state = state["state_dict"]
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise EncoderInputError(str(path), "holds no state dict of tensors", expected)
-        return {k: tuple(v.shape) for k, v in state.items()}
+        except RuntimeError as exc:  # a pre-1.6 (non-zip) file cannot be memory-mapped
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable pickle is the same user error
+        raise EncoderInputError(str(path), f"is not a readable checkpoint ({type(exc).__name__}: "
+                                f"{' '.join(str(exc).split())[:200]})", expected) from None
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise EncoderInputError(str(path), "holds no state dict of tensors", expected)
+    return state
+
+
+def _stored_shapes(path: Path, what: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from safetensors headers or a pickle's index, without reading
+    tensor data."""
+    from modules.checkpoint import CheckpointError, checkpoint_files, read_header
+
+    if path.suffix in (".pt", ".pth", ".bin"):
+        return {k: tuple(v.shape) for k, v in _load_pickle(path, what).items()}
     try:
         shapes = {}
         for file in checkpoint_files(path):
             shapes.update({k: info.shape for k, info in read_header(file).items()})
         return shapes
     except CheckpointError as exc:
-        raise EncoderInputError(str(path), str(exc), expected + " (safetensors)") from None
+        raise EncoderInputError(str(path), str(exc), f"the {what} checkpoint (safetensors)") from None
 
 
-def _compare(where: str, what: str, expected: dict, stored: dict, *, ignore=()) -> None:
+def _compare(where: str, what: str, expected: dict, stored: dict) -> None:
     """Refuse a checkpoint whose tensors do not match the model built from its config."""
     missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(k for k in set(stored) - set(expected) if not k.startswith(tuple(ignore)))
+    unexpected = sorted(set(stored) - set(expected))
     misshaped = sorted(f"{k} {list(stored[k])} (model {list(expected[k])})"
                        for k in set(expected) & set(stored) if tuple(stored[k]) != tuple(expected[k]))
     if missing or unexpected or misshaped:
@@ -377,17 +388,20 @@ def _glyph_tokens(assets: Path) -> list[str]:
             + [f"<{code[:2]}-font-{fonts[code]}>" for code in fonts])
 
 
-def _byt5_stored(layout: _Layout, root: Path) -> dict[str, tuple[int, ...]]:
-    """ByT5 encoder tensor shapes in T5EncoderModel names."""
-    shapes = _stored_shapes(root / layout.byt5, "ByT5 glyph encoder")
-    if layout is DIFFUSERS:
-        return shapes
-    glyph = {k[len(GLYPH_PREFIX):]: v for k, v in shapes.items() if k.startswith(GLYPH_PREFIX)}
-    glyph = glyph or shapes  # a checkpoint already stripped of the prefix
-    out = {"encoder." + k: v for k, v in glyph.items()}
+def glyph_to_t5(state: dict) -> dict:
+    """Glyph-SDXL-v2's byt5_model.pt entries (T5 encoder-stack keys under GLYPH_PREFIX, or already
+    stripped as the official loader strips them) in T5EncoderModel names, the embedding shared."""
+    glyph = {k[len(GLYPH_PREFIX):]: v for k, v in state.items() if k.startswith(GLYPH_PREFIX)}
+    out = {"encoder." + k: v for k, v in (glyph or state).items()}
     if "encoder.embed_tokens.weight" in out:
         out["shared.weight"] = out["encoder.embed_tokens.weight"]
     return out
+
+
+def _byt5_stored(layout: _Layout, root: Path) -> dict[str, tuple[int, ...]]:
+    """ByT5 encoder tensor shapes in T5EncoderModel names."""
+    shapes = _stored_shapes(root / layout.byt5, "ByT5 glyph encoder")
+    return shapes if layout is DIFFUSERS else glyph_to_t5(shapes)
 
 
 def _check_byt5(layout: _Layout, root: Path, pipeline, tokenizer) -> None:
@@ -545,12 +559,8 @@ def _load_byt5(root: Path, layout: _Layout, vocab: int, dtype, device):
         config.vocab_size = vocab
         with torch.device("meta"):
             model = T5EncoderModel(config)
-        state = torch.load(root / layout.byt5, map_location="cpu", mmap=True, weights_only=True)
-        state = state.get("state_dict", state)
-        glyph = {k[len(GLYPH_PREFIX):]: v for k, v in state.items() if k.startswith(GLYPH_PREFIX)}
-        state = {"encoder." + k: v.to(dtype) for k, v in (glyph or state).items()}
-        state["shared.weight"] = state["encoder.embed_tokens.weight"]
-        model.load_state_dict(state, strict=True, assign=True)
+        state = glyph_to_t5(_load_pickle(root / layout.byt5, "ByT5 glyph encoder"))
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
     return _finite(model, str(root / layout.byt5)).to(device).eval()
 
 
