@@ -41,6 +41,7 @@ import math
 import os
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -74,23 +75,28 @@ BUCKET_STRIDE = 16
 # target_size_config: bucket base size per resolution (480p: 640, 720p: 960)
 BUCKET_BASE = {(480, 848): 640, (720, 1280): 960}
 
-# Official dtypes (trap 13): Qwen and SigLIP fp16, ByT5 fp32, VAE under fp16 autocast. On a CPU
-# fp16 matmuls are slow: bf16 there, and the VAE in fp32.
+# Official dtypes (stage1_encoders.md trap 13): Qwen and SigLIP fp16, ByT5 fp32, VAE under fp16
+# autocast. On a CPU fp16 matmuls are slow: bf16 there, and the VAE in fp32.
 _OFFICIAL_DTYPES = {"mllm": torch.float16, "byt5": torch.float32, "siglip": torch.float16,
                     "vae": torch.float16}
 _CPU_DTYPES = {"mllm": torch.bfloat16, "byt5": torch.float32, "siglip": torch.bfloat16,
                "vae": torch.float32}
 
 
+@dataclass(frozen=True)
 class _Layout:
     """Where each part of the encoders lives, relative to the weights folder."""
 
-    def __init__(self, name, mllm, mllm_tokenizer, byt5, byt5_config, byt5_tokenizer, glyph_assets,
-                 image_encoder, feature_extractor, vae):
-        self.name, self.mllm, self.mllm_tokenizer = name, mllm, mllm_tokenizer
-        self.byt5, self.byt5_config, self.byt5_tokenizer = byt5, byt5_config, byt5_tokenizer
-        self.glyph_assets, self.image_encoder = glyph_assets, image_encoder
-        self.feature_extractor, self.vae = feature_extractor, vae
+    name: str
+    mllm: str  # Qwen config + weights
+    mllm_tokenizer: str
+    byt5: str  # diffusers: the T5EncoderModel folder; official: Glyph-SDXL-v2's checkpoint file
+    byt5_config: str  # the folder of the T5 config.json
+    byt5_tokenizer: str
+    glyph_assets: str | None  # official: the colour and font lists added to the ByT5 tokenizer
+    image_encoder: str
+    feature_extractor: str
+    vae: str
 
 
 OFFICIAL = _Layout("official", "text_encoder/llm", "text_encoder/llm",
@@ -123,7 +129,8 @@ def glyph_text(prompt: str) -> str | None:
 def crop_start(tokenizer) -> int:
     """Index of the first prompt token in the templated input: just after `<|im_start|>user\\n`
     in the probe prompt's tokens (official `calculate_crop_start`; 108 for Qwen2.5-VL). The
-    official code silently falls back to 0 when the marker is not found (trap 4): refused here."""
+    official code silently falls back to 0 when the marker is not found (stage1_encoders.md
+    trap 4): refused here."""
     ids = tokenizer.apply_chat_template(
         conversation(CROP_PROBE), add_generation_prompt=True, tokenize=True, return_dict=True,
         truncation=True, max_length=CROP_PROBE_TOKENS, padding="max_length")["input_ids"]
@@ -160,7 +167,7 @@ def crop_size_list(base: int, stride: int = BUCKET_STRIDE, max_ratio: float = 4.
 
 def image_size(width: int, height: int, base: int) -> tuple[int, int]:
     """(H, W) of the bucket whose h/w ratio is nearest the image's, the first on a tie (official
-    get_closest_ratio; diffusers only considers one side of the ratio, trap 9)."""
+    get_closest_ratio; diffusers only considers one side of the ratio)."""
     buckets = crop_size_list(base)
     ratios = [round(h / w, 5) for h, w in buckets]
     aspect = height / width
@@ -307,6 +314,16 @@ def _compare(where: str, what: str, expected: dict, stored: dict) -> None:
                                 f"the {what} checkpoint its config.json describes")
 
 
+def _hf_load(load, path: Path, expected: str):
+    """`load(str(path))` (a transformers from_pretrained of a config or tokenizer), any failure
+    refused as one line."""
+    try:
+        return load(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad file
+        raise EncoderInputError(str(path), f"cannot be loaded ({type(exc).__name__}: "
+                                f"{' '.join(str(exc).split())[:200]})", expected) from None
+
+
 def _meta_shapes(model_cls, config) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = model_cls(config)
@@ -334,12 +351,7 @@ def _mllm_config(folder: Path, pipeline):
         raise EncoderInputError(str(folder / "config.json"), f"describes a {kind!r} model",
                                 "Qwen2.5-VL (model_type qwen2_5_vl or qwen2_5_vl_text)")
     from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(str(folder))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
-        raise EncoderInputError(str(folder / "config.json"), f"is not a valid config "
-                                f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
-                                "a Qwen2.5-VL config.json") from None
+    config = _hf_load(AutoConfig.from_pretrained, folder, "a Qwen2.5-VL config.json")
     text = getattr(config, "text_config", config)
     want = pipeline.config.text_dim
     if text.hidden_size != want or text.num_hidden_layers <= HIDDEN_STATE_SKIP:
@@ -370,7 +382,7 @@ def _byt5_config(layout: _Layout, root: Path, pipeline=None):
         raise EncoderInputError(str(folder / "config.json"), f"describes a "
                                 f"{raw.get('model_type')!r} model", "a T5 (byt5-small) config")
     from transformers import T5Config
-    config = T5Config.from_pretrained(str(folder))
+    config = _hf_load(T5Config.from_pretrained, folder, "a T5 (byt5-small) config.json")
     want = config.d_model if pipeline is None else pipeline.config.byt5_dim
     if config.d_model != want:
         raise EncoderInputError(str(folder / "config.json"), f"describes a T5 of width "
@@ -426,7 +438,7 @@ def _check_siglip(layout: _Layout, root: Path, pipeline) -> None:
         raise EncoderInputError(str(folder / "config.json"), f"describes a "
                                 f"{raw.get('model_type')!r} model", "a SigLIP vision model "
                                 "(model_type siglip_vision_model)")
-    config = SiglipVisionConfig.from_pretrained(str(folder))
+    config = _hf_load(SiglipVisionConfig.from_pretrained, folder, "a SigLIP vision config.json")
     cfg = pipeline.config
     tokens = (config.image_size // config.patch_size) ** 2
     if config.hidden_size != cfg.vision_dim or tokens != cfg.vision_len:
@@ -497,10 +509,11 @@ def _check_request(pipeline, request: Request) -> None:
     if (request.height is None) != (request.width is None) and pipeline.task == "i2v":
         raise EncoderInputError("--height" if request.width is None else "--width", "given alone",
                                 "both --height and --width, or neither (the image's bucket)")
-    height, width, frames = pipeline.size
+    size = [default if value is None else value
+            for value, default in zip((request.height, request.width, request.frames), pipeline.size,
+                                      strict=True)]
     try:
-        pipeline.latent_shape(request.height or height, request.width or width,
-                              request.frames or frames)
+        pipeline.latent_shape(*size)
     except SizeError as exc:
         raise EncoderInputError(f"--{exc.name}", str(exc.value), exc.expected) from None
     if request.image is not None:
@@ -518,7 +531,12 @@ def _quiet():
 def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
     _quiet()
-    return AutoTokenizer.from_pretrained(str(folder), padding_side="right")
+    tokenizer = _hf_load(lambda path: AutoTokenizer.from_pretrained(path, padding_side="right"),
+                         folder, "a tokenizer folder transformers can load")
+    template = folder / "chat_template.json"  # a processor's file: tokenizers may not read it
+    if getattr(tokenizer, "chat_template", None) is None and template.is_file():
+        tokenizer.chat_template = _read_json(template, "a chat template").get("chat_template")
+    return tokenizer
 
 
 def _byt5_tokenizer(layout: _Layout, root: Path):
@@ -726,8 +744,8 @@ def encode(pipeline, request: Request, weights, device="cpu", dtype=None):
         image = cover_crop(image, height, width)
         steps += [lambda: _encode_image_states(root, layout, image, dt("siglip"), device),
                   lambda: _encode_first_frame(root, layout, pipeline, image, dt("vae"), device)]
-        config = {"height": height, "width": width,
-                  "video_length": request.frames or pipeline.size[2]}
+        frames = pipeline.size[2] if request.frames is None else request.frames
+        config = {"height": height, "width": width, "video_length": frames}
     tensors = {}
     for step in steps:
         out, params = step()
