@@ -59,6 +59,14 @@ def write_official(diffusers_root, root):
     whole.model.language_model.load_state_dict(text.state_dict())
     llm = root / "text_encoder" / "llm"
     whole.save_pretrained(llm)
+    # the release's config.json is the flat pre-4.52 form: text fields at the top level
+    config = json.loads((llm / "config.json").read_text())
+    text_fields = {k: v for k, v in config.pop("text_config").items()
+                   if k not in ("architectures", "model_type", "rope_parameters", "layer_types")}
+    rope = text.config.rope_parameters
+    (llm / "config.json").write_text(json.dumps(
+        {**config, **text_fields, "rope_theta": rope["rope_theta"],
+         "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}))
     for f in (diffusers_root / "tokenizer").iterdir():
         shutil.copy(f, llm / f.name)
 
