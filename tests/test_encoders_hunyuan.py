@@ -263,18 +263,21 @@ def test_image_matches_diffusers(layout, request, tmp_path):
 
 
 def test_image_bucket_and_crop_are_official(i2v_diffusers, tmp_path):
-    """A 100 x 68 image (h/w 0.68): the official nearest-ratio bucket is 48 x 80 (ratio 0.6);
-    diffusers looks only at ratios >= 0.68 and would take 64 x 80. The official crop: LANCZOS to
-    80 x 54.4 -> 80 x 54 (rounded), then rows 3..51 (top round(3.0))."""
+    """A 100 x 67 image (h/w 0.67): the official nearest-ratio bucket is 48 x 80 (ratio 0.6);
+    diffusers looks only at ratios >= 0.67 and would take 64 x 80. The official crop: LANCZOS to
+    80 x 53.6 rounded to 80 x 54 (diffusers floors to 53), then rows 3..51 (top round(3.0))."""
     from PIL import Image
 
-    image = save_image(tmp_path / "wide.png", 100, 68)
+    image = save_image(tmp_path / "wide.png", 100, 67)
     tensors, config = hunyuan.encode(I2V, Request("A cat", image=image), str(i2v_diffusers),
                                      dtype=torch.float32)
     assert (config["height"], config["width"]) == (48, 80)
     ref = diffusers_pipeline(i2v_diffusers, I2V, 0)
-    assert ref.video_processor.calculate_default_height_width(68, 100, 72) == (64, 80)
-    crop = Image.open(image).convert("RGB").resize((80, 54), Image.LANCZOS).crop((0, 3, 80, 51))
+    assert ref.video_processor.calculate_default_height_width(67, 100, 72) == (64, 80)
+    original = Image.open(image).convert("RGB")
+    crop = original.resize((80, 54), Image.LANCZOS).crop((0, 3, 80, 51))
+    theirs = ref.video_processor.resize(original, height=48, width=80, resize_mode="crop")
+    assert theirs.tobytes() != crop.tobytes()  # the crops differ: the case checks which one we take
     with torch.no_grad():
         latents = ref._get_image_latents(ref.vae, ref.video_processor, crop, 48, 80, "cpu")
         embeds = ref.encode_image(crop, batch_size=1, device="cpu", dtype=torch.float32)
