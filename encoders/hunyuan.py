@@ -594,8 +594,11 @@ def _load_siglip(root: Path, layout: _Layout, dtype, device):
 
 
 def _load_vae(root: Path, layout: _Layout, pipeline, dtype, device):
+    from diffusers.utils import logging
+
     from modules.vae import VaeError, load_vae, spec_for
 
+    logging.set_verbosity_error()  # from_pretrained's advice to install accelerate
     try:
         vae = load_vae(spec_for(pipeline), str(root / layout.vae), dtype=dtype)
     except VaeError as exc:
