@@ -723,7 +723,7 @@ def encode(pipeline, request: Request, weights, device="cpu", dtype=None):
     """(stage-1 tensors, config fields) for one request (see encoders/__init__.py). `dtype`
     overrides every encoder's dtype (default: the official ones, bf16 for fp16 on a CPU; fp32
     for the tiny encoders). Each encoder is freed before the next loads."""
-    check(pipeline, request, weights)
+    check(pipeline, request, weights)  # again (headers and tokenizers only): a direct call refuses too
     root = Path(weights) if weights is not None else tiny_weights(pipeline)
     layout = layout_of(root)
     cfg = pipeline.config
