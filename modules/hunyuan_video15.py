@@ -72,9 +72,11 @@ class HunyuanVideo15Config:
         return self.vision_len + self.byt5_len + self.text_len
 
 
+# vision_len 4: a SigLIP's token count is a square ((image_size / patch_size)^2), so the tiny
+# stage-1 SigLIP (28 px, patch 14) gives 4 tokens; 5 could come from no vision encoder.
 _TINY = dict(hidden_size=16, num_heads=2, num_layers=4, in_channels=4, out_channels=4,
              rope_axes=(2, 2, 4), mlp_ratio=2.0, refiner_layers=1, text_dim=16, text_len=10,
-             byt5_dim=8, byt5_len=6, vision_dim=12, vision_len=5)
+             byt5_dim=8, byt5_len=6, vision_dim=12, vision_len=4)
 # Every released variant shares the architecture; only the step-distilled one adds time_r_in.
 # Sampling settings per variant (shift, guidance, steps) belong to the sampler, not here.
 CONFIGS: dict[str, HunyuanVideo15Config] = {
