@@ -2,7 +2,7 @@
 
 One module per family (`wan`, `hunyuan`, and `word_table` for the embedded trained default), each
 with the same two functions, which the stage-1 command (`commands/stage1.py`) dispatches to by
-`Pipeline.family` (and `Pipeline.name` for the embedded default):
+`Pipeline.encoders` or else `Pipeline.family` (`for_pipeline`):
 
     check(pipeline, request, weights) -> None
         Up-front checks before any model work: files named by the request exist and decode
@@ -22,6 +22,16 @@ This room imports torch, transformers and `modules/` (the VAEs); never caching o
 internals beyond the pipeline's description (`sampling.pipelines.Pipeline`).
 """
 
+import importlib
+
 from .request import EncoderInputError, Request
 
-__all__ = ["EncoderInputError", "Request"]
+__all__ = ["EncoderInputError", "Request", "for_pipeline"]
+
+_MODULES = {"wan": "wan", "hunyuan_video15": "hunyuan", "word_table": "word_table"}
+
+
+def for_pipeline(pipeline):
+    """The module (with `check` and `encode`) that writes `pipeline`'s stage-1 tensors."""
+    name = _MODULES[pipeline.encoders or pipeline.family]
+    return importlib.import_module(f"{__name__}.{name}")

@@ -66,6 +66,7 @@ class Pipeline:
     builtin: str | None = None
     fps: float = 24.0  # of the decoded video (the official sample_fps)
     enlarge: int = 1  # stage 3 writes the video this many times larger (nearest neighbour)
+    encoders: str | None = None  # stage 1's module in encoders/ (None: the family's)
 
     @property
     def builtin_path(self) -> str | None:
@@ -332,7 +333,8 @@ PIPELINES: dict[str, Pipeline] = {
     # [-1, 1], vae_stride (1, 1)), 4 frames of 16x16, sampled as it was evaluated (shift 5, CFG 5).
     "wan-tiny-trained": Pipeline("wan-tiny-trained", "wan", ((None, "wan-tiny-trained"),), "ti2v",
                                  "unipc", 5.0, 5.0, 50, (16, 16, 4), (1, 1),
-                                 builtin="assets/tiny-wan-ti2v", fps=4.0, enlarge=8),
+                                 builtin="assets/tiny-wan-ti2v", fps=4.0, enlarge=8,
+                                 encoders="word_table"),
     # wan/configs/wan_s2v_14B.py: shift 3, 40 steps, guidance 4.5; generate.py: unipc, 80 frames
     # a clip; 704 x 1280 is the largest 64-multiple size within the default 1280*720 area
     "wan2.2-s2v-14b": Pipeline("wan2.2-s2v-14b", "wan", ((None, "wan2.2-s2v-14b"),), "s2v",
@@ -340,7 +342,10 @@ PIPELINES: dict[str, Pipeline] = {
     "wan-tiny-s2v": Pipeline("wan-tiny-s2v", "wan", ((None, "wan-tiny-s2v"),), "s2v", "unipc",
                              3.0, 4.5, 40, (64, 64, 16), (4, 8), clips=3, builtin=RANDOM, fps=16.0),
 }
-DEFAULT_PIPELINE = "hunyuanvideo-tiny"
+DEFAULT_PIPELINE = "hunyuanvideo-tiny"  # stage 2 on synthetic stage-1 inputs (no encoder)
+# from a prompt (stage 1, the prompt-to-video command): the model trained here, whose video
+# shows the prompt
+DEFAULT_PROMPT_PIPELINE = "wan-tiny-trained"
 
 
 def get_pipeline(name: str) -> Pipeline:

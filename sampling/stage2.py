@@ -51,6 +51,7 @@ from .stage_io import (
     STAGE3_FIELDS,
     StageFileError,
     check_distinct,
+    check_tensors,
     check_writable,
     check_writable_file,
     read_config,
@@ -376,12 +377,16 @@ def _budgeted(args, pipe) -> tuple[CMConfig, dict]:
                     "calibrated_seeds": calibrated["seeds"]}
 
 
-def resolve(args) -> dict:
-    """Everything the run needs, checked, before any model or device work."""
+def resolve(args, given: tuple[dict, dict] | None = None) -> dict:
+    """Everything the run needs, checked, before any model or device work. `given`: stage-1
+    (tensors, config) made in this process (the prompt-to-video command), read as a stage-1
+    folder's would be."""
     _check_flags(args)
     _check_launch(args)
     stage1, source = {}, None
-    if args.input_dir is not None:
+    if given is not None:
+        stage1, source = dict(given[1]), "stage 1"
+    elif args.input_dir is not None:
         if not os.path.isdir(args.input_dir):
             raise StageFileError(f"--input_dir {args.input_dir} is not a directory")
         stage1 = read_config(args.input_dir)
@@ -451,7 +456,11 @@ def resolve(args) -> dict:
                          "cond and uncond in one call; it needs CFG "
                          f"(guidance != 1) for every expert, got guidance {g_values}")
     output_dir = _check_outputs(args)
-    if args.input_dir is not None:
+    if given is not None:
+        image = pipe.task == "i2v" or (pipe.task == "ti2v" and "image_latents" in given[0])
+        tensors = given[0]
+        check_tensors(tensors, pipe.stage1_specs(latent_shape, cfg_on, image), source)
+    elif args.input_dir is not None:
         image = pipe.task == "i2v" or (pipe.task == "ti2v" and _has_image(args.input_dir))
         tensors, stage1 = read_stage1(args.input_dir, pipe.stage1_specs(latent_shape, cfg_on, image))
     else:
@@ -644,12 +653,23 @@ def run(args) -> dict:
 
 
 def _run(args, r, layout) -> dict:
-    pipe, config = r["pipe"], r["config"]
     writer = layout.rank == 0 if layout is not None else backend_writer(args)
-    models = load_models(pipe, args.model_path, r["dtype"])
-    plan = SignalPlan.from_config(config)
-    backend = make_backend(args, models, plan, layout)
+    return sample_and_write(args, r, open_backend(args, r, layout), writer)
+
+
+def open_backend(args, r, layout=None):
+    """The models of `r`'s pipeline on the backend the flags ask for, with `r`'s programs'
+    plan; one backend serves every run of the same pipeline and cache flags."""
+    models = load_models(r["pipe"], args.model_path, r["dtype"])
+    backend = make_backend(args, models, SignalPlan.from_config(r["config"]), layout)
     _check_host_memory(r, backend, args)
+    return backend
+
+
+def sample_and_write(args, r, backend, writer: bool) -> dict:
+    """One resolved run on an open backend: sample (and the uncached comparison), check, report,
+    write (the writer only)."""
+    pipe, config, plan = r["pipe"], r["config"], backend.plan
     sample = None  # speech-to-video builds its samples clip by clip
     if pipe.task != "s2v":
         sample = make_sample(backend, pipe, r["tensors"], r["latent_shape"], image=r["image"],

@@ -255,9 +255,11 @@ def run(args) -> dict:
             dist.destroy_process_group()
 
 
-def _run(args, r, rank, world, device):
+def _run(args, r, rank, world, device, built=None):
+    """Decode and write one resolved run; `built`: a (vae, name) of `build_vae` already on
+    `device`, shared by the runs of a job (the prompt-to-video command)."""
     pipe = r["pipe"]
-    vae, vae_name = build_vae(pipe, args.vae_path, r["dtype"])
+    vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
     vae = vae.to(device)
     z = to_vae_latents(vae, r["latents"].to(device=device, dtype=r["dtype"]))
     began = time.perf_counter()

@@ -168,6 +168,7 @@ class JaxBackend:
         self.params = {expert: self._weights(model) for expert, model in models.items()}
         self.ops = JaxOps(self._call)
         self._programs = None
+        self._built = {}  # (conditions, static switches, latent shape) -> programs
 
     def _default_placement(self):
         """Where inputs go without a mesh: None, jax's default device."""
@@ -238,11 +239,17 @@ class JaxBackend:
         shape = reference_shape(model, latent_shape[0], grid, plan) if plan.needs_reference \
             else (latent_shape[0], 1, 1)
         self.zero_reference = self.put(torch.zeros(shape, dtype=torch.float32))
-        self._programs, self._weights_of = {}, {}
-        for name, stage in stages_for(model, plan, self.cond_names, static, grid).items():
-            program, names = self._jit(stage)
-            self._programs[name] = program
-            self._weights_of[name] = {e: {n: p[n] for n in names} for e, p in self.params.items()}
+        # Programs are kept per shape and condition set: another trajectory of the same shapes
+        # (the next prompt of a job) reuses their jitted functions, so it compiles nothing.
+        key = (self.cond_names, repr(sorted(static.items())), tuple(latent_shape))
+        if key not in self._built:
+            programs, weights_of = {}, {}
+            for name, stage in stages_for(model, plan, self.cond_names, static, grid).items():
+                program, names = self._jit(stage)
+                programs[name] = program
+                weights_of[name] = {e: {n: p[n] for n in names} for e, p in self.params.items()}
+            self._built[key] = programs, weights_of
+        self._programs, self._weights_of = self._built[key]
 
     def programs(self):
         """name -> jitted program, for compile inspection (`_cache_size()`)."""

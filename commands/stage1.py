@@ -1,0 +1,121 @@
+"""Stage 1: encode a prompt (and an image or speech file) into the files stage 2 reads.
+
+    python stage1_encode.py --prompt "red circle moves right on blue"            # the tiny default
+    python stage1_encode.py --model wan2.2-ti2v-5b --encoder_path /ckpts/Wan2.2-TI2V-5B \
+        --prompt "..." --image first.png --output_dir stage_outputs
+
+Writes `stage1_embeddings.safetensors` and `generation_config.json` (atomically, both or
+neither) in the TPU port's format: the tensors `Pipeline.stage1_specs` names, the metadata
+`prompt, negative_prompt, model_path, resolution, task_type`, and the config fields stage 2
+reads (`model`, `height`, `width`, `video_length`, `num_clips` for speech-to-video). Every input
+is checked before any model work (`encoders.<family>.check`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import encoders
+from encoders import EncoderInputError, Request
+from sampling.cli import UsageError, as_int, command
+from sampling.pipelines import DEFAULT_PROMPT_PIPELINE, PIPELINES, get_pipeline
+from sampling.stage_io import CONFIG, EMBEDDINGS, StageFileError, check_writable, write_stage
+
+ERRORS = (UsageError, EncoderInputError, StageFileError)
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, sizes: bool = True) -> None:
+    """The stage-1 flags (`sizes`: also --height/--width/--video_length/--num_clips/--model,
+    which the prompt-to-video command takes from stage 2's flags)."""
+    g = parser.add_argument_group("stage 1 (prompt, image, audio)")
+    g.add_argument("--negative_prompt", help="default: the model's official negative prompt")
+    g.add_argument("--image", help="first frame (image-to-video modes) or reference image (S2V)")
+    g.add_argument("--audio", help="speech file (speech-to-video)")
+    g.add_argument("--encoder_path", help="the release folder holding the encoders (official or "
+                   "diffusers layout: Wan's models_t5_umt5-xxl-enc-bf16.pth + google/umt5-xxl/, "
+                   "HunyuanVideo-1.5's text_encoder/ ...); default: the model's built-in or tiny "
+                   "random encoders")
+    g.add_argument("--encoder_device", default="cpu", help="where the encoders run (default cpu)")
+    if sizes:
+        g.add_argument("--model", default=None, help=f"named pipeline, one of {', '.join(PIPELINES)} "
+                       f"(default {DEFAULT_PROMPT_PIPELINE})")
+        g.add_argument("--height", type=int)
+        g.add_argument("--width", type=int)
+        g.add_argument("--video_length", type=int)
+        g.add_argument("--num_clips", type=int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stage1_encode.py",
+        description="Stage 1: encode a prompt (image, speech) into the stage files stage 2 reads.")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--output_dir", default="stage_outputs",
+                        help=f"where {EMBEDDINGS} and {CONFIG} go (default ./stage_outputs)")
+    add_arguments(parser)
+    return parser
+
+
+def request_of(args, prompt: str, **override) -> Request:
+    fields = dict(prompt=prompt, negative_prompt=args.negative_prompt, image=args.image,
+                  audio=args.audio, height=args.height, width=args.width,
+                  frames=args.video_length, clips=args.num_clips)
+    fields.update({k: v for k, v in override.items() if v is not None})
+    for flag, key in (("--height", "height"), ("--width", "width"),
+                      ("--video_length", "frames"), ("--num_clips", "clips")):
+        if fields[key] is not None:
+            as_int(flag, fields[key], minimum=1)
+    for key in ("image", "audio"):
+        if fields[key] == "":
+            raise UsageError(f"--{key} '': expected a path")
+    return Request(**fields)
+
+
+def pipeline_of(args):
+    try:
+        return get_pipeline(args.model or DEFAULT_PROMPT_PIPELINE)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
+
+
+def check(pipe, request: Request, weights) -> None:
+    if weights is not None and not os.path.isdir(weights):
+        raise UsageError(f"--encoder_path {weights} is not a directory; expected the release "
+                         "folder holding the encoders")
+    if not request.prompt.strip() and pipe.encoders is not None:
+        raise UsageError("--prompt '': expected a prompt")
+    encoders.for_pipeline(pipe).check(pipe, request, weights)
+
+
+def encode(pipe, request: Request, weights, device: str) -> tuple[dict, dict, dict]:
+    """(tensors, metadata, config) of one request."""
+    tensors, fields = encoders.for_pipeline(pipe).encode(pipe, request, weights, device=device)
+    h, w, f = pipe.size
+    config = {"model": pipe.name, "height": request.height or h, "width": request.width or w,
+              "video_length": request.frames or f, **fields,
+              "prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    metadata = {"prompt": request.prompt, "negative_prompt": request.negative_prompt or "",
+                "model_path": weights or "", "task_type": pipe.task,
+                "resolution": f"{config['height']}x{config['width']}"}
+    return tensors, metadata, config
+
+
+def run(args) -> dict:
+    pipe = pipeline_of(args)
+    request = request_of(args, args.prompt)
+    check_writable(args.output_dir, "--output_dir", (EMBEDDINGS, CONFIG))
+    check(pipe, request, args.encoder_path)
+    tensors, metadata, config = encode(pipe, request, args.encoder_path, args.encoder_device)
+    outputs = write_stage(args.output_dir, tensors, EMBEDDINGS, metadata, config)
+    return {"model": pipe.name, "prompt": request.prompt, "outputs": outputs,
+            "tensors": {k: list(v.shape) for k, v in tensors.items()}}
+
+
+def format_summary(report: dict) -> str:
+    shapes = ", ".join(f"{k} {v}" for k, v in report["tensors"].items())
+    return (f"stage 1: {report['model']}  {report['prompt']!r}\n  {shapes}\n"
+            f"wrote {', '.join(report['outputs'].values())}")
+
+
+main = command(build_parser, run, format_summary, ERRORS)
