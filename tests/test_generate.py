@@ -1,0 +1,155 @@
+"""Prompt to mp4 (issues 25 and 28): the stage-1 command and the one-process generate command on
+the built-in trained tiny model, the README's first example as a user runs it, several prompts on
+programs compiled once, and bad input refused before any model work."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import generate
+import stage1_encode
+from bench.fixtures.analyser import analyse
+from commands import generate as generate_cmd
+from sampling.pipelines import DEFAULT_PROMPT_PIPELINE, get_pipeline
+from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, read_stage1
+from tests.test_refusals import listing, refused
+from tests.test_stage3 import read_video, run_script
+
+README_PROMPT = "red circle moves right on blue"
+PIPE = get_pipeline(DEFAULT_PROMPT_PIPELINE)
+
+
+def shown(path):
+    """What the analyser reads in an mp4 of the trained model: the clip at its sampled size
+    (stage 3 writes it `Pipeline.enlarge` times larger; block means undo that)."""
+    frames, _ = read_video(path)
+    k = PIPE.enlarge
+    f, h, w, _ = frames.shape
+    return frames.reshape(f, h // k, k, w // k, k, 3).mean((2, 4)) / 255.0
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory):
+    """The README's first command, as a user runs it on a fresh clone."""
+    work = tmp_path_factory.mktemp("readme")
+    out = run_script("generate.py", "--prompt", README_PROMPT, "--enable_cache", cwd=work)
+    return work, out
+
+
+def test_the_readme_prompt_becomes_a_video_that_shows_it(readme_run):
+    work, out = readme_run
+    assert out.returncode == 0, out.stderr
+    video = work / "outputs" / VIDEO
+    assert str(video.relative_to(work)) in out.stdout
+    seen = analyse(shown(video))
+    assert (seen["foreground"], seen["background"]) == ("red", "blue"), seen
+    config = json.loads((work / "outputs" / CONFIG).read_text())
+    assert config["model"] == DEFAULT_PROMPT_PIPELINE and config["prompt"] == README_PROMPT
+    assert config["cache_enabled"] and config["cache_modes"]  # --enable_cache reached stage 2
+    assert sorted(os.listdir(work / "outputs")) == sorted([CONFIG, EMBEDDINGS, LATENTS, VIDEO])
+
+
+def test_three_prompts_compile_the_stage2_programs_once(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# colours and directions\n"
+                       "green square moves down on black\n\n"
+                       '{"prompt": "yellow triangle moves left on magenta", "seed": 3}\n'
+                       "white circle moves up on red\n")
+    args = generate_cmd.build_parser().parse_args(
+        ["--prompts", str(prompts), "--enable_cache", "--output_dir", str(tmp_path / "out")])
+    report = generate_cmd.run(args)
+    assert [Path(v).parent.name for v in report["videos"]] == ["001", "002", "003"]
+    first, *rest = report["stage2"]
+    assert first["compiles"]["warmup"]["lowered"] > 0  # the first prompt compiles ...
+    assert [r["compiles"]["warmup"]["lowered"] for r in rest] == [0, 0]  # ... the others reuse
+    assert all(r["compiles"]["loop"]["lowered"] == 0 for r in report["stage2"])
+    seeds = [json.loads((tmp_path / "out" / d / CONFIG).read_text())["seed"]
+             for d in ("001", "002", "003")]
+    assert seeds == [42, 3, 44]  # the base seed + the line's index, unless the line gives one
+    for folder, colours in (("001", ("green", "black")), ("002", ("yellow", "magenta")),
+                            ("003", ("white", "red"))):
+        seen = analyse(shown(tmp_path / "out" / folder / VIDEO))
+        assert (seen["foreground"], seen["background"]) == colours, (folder, seen)
+
+
+def test_stage1_writes_what_stage2_reads(tmp_path):
+    assert stage1_encode.main(["--prompt", "A blue square moves up on white.",
+                               "--output_dir", str(tmp_path)]) == 0
+    tensors, config = read_stage1(str(tmp_path), PIPE.stage1_specs(
+        PIPE.latent_shape(*PIPE.size), cfg_on=True, image=False))
+    assert config["model"] == PIPE.name
+    assert (config["height"], config["width"], config["video_length"]) == PIPE.size
+    # the articles and the full stop are dropped: the same words as the trained prompt
+    from encoders.word_table import FOLDER, WordTable
+    table = WordTable.load(os.path.join(PIPE.builtin_path, FOLDER))
+    assert np.array_equal(tensors["prompt_embeds"][0].numpy(),
+                          table.encode("blue square moves up on white"))
+    assert not tensors["negative_prompt_embeds"].any()  # the empty prompt of CFG training
+
+
+def test_stage1_tiny_random_encoders_feed_stage2(tmp_path):
+    """The tiny random pipelines' stage 1 goes through the real encoders' code (no hub)."""
+    from sampling import stage2
+    for model in ("wan-tiny-ti2v", "hunyuanvideo-tiny"):
+        folder = tmp_path / model
+        assert stage1_encode.main(["--model", model, "--prompt", "a cat on a sofa",
+                                   "--output_dir", str(folder)]) == 0
+        assert stage2.main(["--input_dir", str(folder), "--num_inference_steps", "2",
+                            "--backend", "torch", "--no_progress"]) == 0
+        assert json.loads((folder / CONFIG).read_text())["model"] == model
+
+
+def _prompts(tmp_path, text):
+    path = tmp_path / "p.txt"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("lines, needles", [
+    ('{"prompt": "red circle moves right on blue"\n', ("line 1: not valid JSON",)),
+    ('red circle moves right on blue\n{"prompt": "x", "colour": 1}\n', ("line 2: unknown key colour",)),
+    ('{"prompt": ""}\n', ('line 1: no "prompt" text',)),
+    ('{"prompt": "red circle", "seed": -1}\n', ('line 1: "seed" -1',)),
+    ("# only a comment\n\n", ("holds no prompt",)),
+    ("purple circle moves right on blue\n", ("--prompt", "unknown word purple", "expected words")),
+    ('{"prompt": "red circle moves right on blue", "image": "/no/such.png"}\n',
+     ("--image", "/no/such.png does not exist")),
+    ('{"prompt": "red circle moves right on blue", "audio": "/no/such.wav"}\n',
+     ("--audio", "expected no audio")),
+])
+def test_a_bad_prompt_file_is_refused_before_any_model_work(tmp_path, capsys, lines, needles):
+    out = tmp_path / "out"
+    refused(generate.main, ["--prompts", _prompts(tmp_path, lines), "--output_dir", str(out)],
+            capsys, *needles)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, needles", [
+    ([], ("give --prompt TEXT or --prompts FILE",)),
+    (["--prompt", "red circle", "--prompts", "x.txt"], ("one of them",)),
+    (["--prompts", "/no/such/prompts.txt"], ("/no/such/prompts.txt does not exist",)),
+    (["--prompt", "red circle moves right on blue", "--image", "/no/img.png"], ("/no/img.png",)),
+    (["--prompt", "red circle moves right on blue", "--height", "32"], ("--height: 32", "expected 16")),
+    (["--prompt", "red circle moves right on blue", "--num_inference_steps", "0"],
+     ("--num_inference_steps 0",)),
+    (["--prompt", "red circle moves right on blue", "--fps", "0"], ("--fps 0",)),
+    (["--prompt", "red circle moves right on blue", "--encoder_path", "/no/enc"],
+     ("--encoder_path /no/enc",)),
+    (["--prompt", "red circle moves right on blue", "--input_dir", "."], ("--input_dir",)),
+])
+def test_bad_flags_are_refused_before_any_model_work(tmp_path, capsys, argv, needles):
+    out = tmp_path / "out"
+    refused(generate.main, [*argv, "--output_dir", str(out)], capsys, *needles)
+    assert not out.exists()
+
+
+def test_a_picture_that_is_no_image_is_refused_by_stage1(tmp_path, capsys):
+    bad = tmp_path / "first.png"
+    bad.write_bytes(b"not a png")
+    out = tmp_path / "out"
+    refused(stage1_encode.main, ["--prompt", README_PROMPT, "--image", str(bad),
+                                 "--output_dir", str(out)], capsys, "--image", "cannot be read")
+    assert listing(tmp_path) == ["first.png"]
