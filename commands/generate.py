@@ -12,6 +12,8 @@ Every line, file and flag is checked before any model work. The encoders run for
 first and are freed; the DiT loads once and its programs compile once (for the first prompt's
 shapes: later prompts of the same shapes compile nothing); the VAE loads once. One prompt writes
 its stage files and `output_video.mp4` in --output_dir; several write folder 001, 002, ... in it.
+`--compare` adds the uncached video (`output_video_uncached.mp4`) and `compare_strip.png` (cached
+frames above, uncached below), committed with the cached video.
 Every stage-2 flag applies (cache flags, --seed: the first prompt's, the next ones +1, +2, ...
 unless a line gives its own).
 """
@@ -27,10 +29,21 @@ import sys
 import time
 import warnings
 
+import numpy as np
+
 from sampling import stage2, stage3
 from sampling.cli import UsageError, as_int, command
 from sampling.pipelines import DEFAULT_PROMPT_PIPELINE
-from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, check_writable, write_stage
+from sampling.stage_io import (
+    CONFIG,
+    EMBEDDINGS,
+    LATENTS,
+    VIDEO,
+    Staged,
+    check_writable,
+    encode_mp4,
+    write_stage,
+)
 
 from . import stage1
 
@@ -143,7 +156,8 @@ def run(args) -> dict:
         run_args = copy.copy(args)
         run_args.output_dir = folder
         run_args.seed = entry.get("seed", (base_seed + i) % 2 ** 64)
-        check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO))
+        check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO)
+                       + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
         stage1.check(pipe, request, args.encoder_path)
         jobs.append((request, run_args, folder))
     # stage 2's flags, sizes and outputs, on synthetic inputs: refused here, before any encoder
@@ -174,13 +188,14 @@ def run(args) -> dict:
     gc.collect()
 
     # stage 2: one backend, its programs built for the first prompt's shapes
-    reports, backend = [], None
+    reports, backend, uncached = [], None, []
     for i, ((_, run_args, _), given) in enumerate(zip(jobs, encoded, strict=True)):
         r = stage2.resolve(run_args, given)
         if backend is None:
             backend = stage2.open_backend(run_args, r)
         report = stage2.sample_and_write(run_args, r, backend, writer)
         reports.append(report)
+        uncached.append(r.get("uncached_latents"))
         t, c = report["time"], report["compiles"]
         computed = sum(v["computed"] for v in report["branches"].values())
         calls = computed + sum(v["reused"] for v in report["branches"].values())
@@ -205,11 +220,35 @@ def run(args) -> dict:
         device = stage3._device(None, None)
         if built is None:
             built = stage3.build_vae(r3["pipe"], args.vae_path, r3["dtype"])
-        out = stage3._run(decode_args, r3, 0, 1, device, built)
+        also = None
+        if uncached[i] is not None:  # --compare: the uncached video and a strip beside it
+            also = Staged()
+            cached = stage3.video_frames(built[0], r3["latents"].to(device), r3["pipe"])
+            reference = stage3.video_frames(built[0], uncached[i].to(device), r3["pipe"])
+            also.add_folder(folder, lambda tmp, c=cached, u=reference, fps=r3["fps"]:
+                            _write_compare(tmp, c, u, fps), "--compare")
+        try:
+            out = stage3._run(decode_args, r3, 0, 1, device, built, also)
+        finally:
+            if also is not None:
+                also.discard()
         videos.append(os.path.join(folder, VIDEO))
         _say(writer, f"[{i + 1}/{n}] stage 3 {out['decode_seconds']:.2f} s  {videos[-1]}")
     return {"model": pipe.name, "prompts": [j[0].prompt for j in jobs], "videos": videos,
             "stage2": reports, "seconds": time.perf_counter() - began, "writer": writer}
+
+
+UNCACHED_VIDEO = "output_video_uncached.mp4"
+STRIP = "compare_strip.png"
+
+
+def _write_compare(folder: str, cached, uncached, fps: float) -> None:
+    """The uncached video, and a PNG of both: cached frames above, uncached below."""
+    from PIL import Image
+    encode_mp4(os.path.join(folder, UNCACHED_VIDEO), uncached, fps)
+    rows = [np.concatenate(list(v), axis=1) for v in (cached, uncached)]
+    gap = np.full((max(2, rows[0].shape[0] // 32), rows[0].shape[1], 3), 255, np.uint8)
+    Image.fromarray(np.concatenate([rows[0], gap, rows[1]])).save(os.path.join(folder, STRIP))
 
 
 def _lowered(counts) -> str:

@@ -691,6 +691,7 @@ def sample_and_write(args, r, backend, writer: bool) -> dict:
             "loop_compiles_uncached": _counts(base.loop_compiles),
             **fidelity(latents, reference, noise),
         }
+        r["uncached_latents"] = reference  # for a caller that decodes both (generate --compare)
     report["writer"] = writer
     if writer:
         _write(r, latents, report, args)

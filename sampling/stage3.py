@@ -230,6 +230,12 @@ def to_frames(video: torch.Tensor):
     return frames.permute(1, 2, 3, 0).cpu().numpy()
 
 
+def video_frames(vae, latents, pipe, dtype=torch.float32):
+    """uint8 frames [F, H, W, 3] of DiT latents on one device, enlarged as the pipeline asks."""
+    z = to_vae_latents(vae, latents.to(dtype=dtype))
+    return enlarge(to_frames(decode(vae, z, None, False, None)), pipe.enlarge)
+
+
 def decode(vae, z, grid, tiled, tile_size):
     """The video on rank 0 (None elsewhere): patch parallel over `grid`, or on one device."""
     if grid is not None:
@@ -255,9 +261,10 @@ def run(args) -> dict:
             dist.destroy_process_group()
 
 
-def _run(args, r, rank, world, device, built=None):
+def _run(args, r, rank, world, device, built=None, also=None):
     """Decode and write one resolved run; `built`: a (vae, name) of `build_vae` already on
-    `device`, shared by the runs of a job (the prompt-to-video command)."""
+    `device`, shared by the runs of a job (the prompt-to-video command); `also`: a Staged of
+    files to commit with the video."""
     pipe = r["pipe"]
     vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
     vae = vae.to(device)
@@ -288,7 +295,7 @@ def _run(args, r, rank, world, device, built=None):
                   vae_patch_parallel_ranks=world,
                   vae_patch_grid=report["grid"], vae_tiled=args.tiled)
     config.update(fps=r["fps"], **fields)
-    report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config)
+    report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config, also=also)
     report["video"] = list(frames.shape[:3])
     report["enlarged"] = factor
     return report

@@ -633,21 +633,26 @@ def check_writable_file(flag: str, path: str | None) -> None:
 
 
 def write_video(directory: str, frames, fps: float, config: Mapping,
-                quality: int = 8) -> dict[str, str]:
+                quality: int = 8, also: Staged | None = None) -> dict[str, str]:
     """Encode frames [F, H, W, 3] uint8 as H.264 mp4 and write it with the generation config,
     atomically (both or neither): the video goes to a temporary file in `directory` first.
-    `quality` is imageio's 1-10 (8, as the official Wan scripts write, is x264 CRF 10)."""
+    `quality` is imageio's 1-10 (8, as the official Wan scripts write, is x264 CRF 10). `also`:
+    files prepared to be committed with them."""
+    return _write_with_config(directory, VIDEO, ".mp4", lambda tmp: encode_mp4(tmp, frames, fps,
+                                                                                quality),
+                              config, also)
+
+
+def encode_mp4(path: str, frames, fps: float, quality: int = 8) -> None:
+    """Frames [F, H, W, 3] uint8 as an H.264 mp4 at `path`; the name must end in .mp4 (imageio
+    picks its ffmpeg writer by the extension)."""
     import imageio.v2 as imageio
 
-    def encode(video_tmp):
-        # macro_block_size 1 keeps the size exact (the VAE strides make it even, as yuv420p needs)
-        writer = imageio.get_writer(video_tmp, format="FFMPEG", mode="I", fps=fps,
-                                    codec="libx264", quality=quality, macro_block_size=1)
-        try:
-            for frame in frames:
-                writer.append_data(frame)
-        finally:
-            writer.close()
-
-    # the temporary name ends in .mp4: imageio picks the ffmpeg writer by the extension
-    return _write_with_config(directory, VIDEO, ".mp4", encode, config)
+    # macro_block_size 1 keeps the size exact (the VAE strides make it even, as yuv420p needs)
+    writer = imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264",
+                                quality=quality, macro_block_size=1)
+    try:
+        for frame in frames:
+            writer.append_data(frame)
+    finally:
+        writer.close()

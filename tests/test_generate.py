@@ -59,7 +59,8 @@ def test_three_prompts_compile_the_stage2_programs_once(tmp_path):
                        '{"prompt": "yellow triangle moves left on magenta", "seed": 3}\n'
                        "white circle moves up on red\n")
     args = generate_cmd.build_parser().parse_args(
-        ["--prompts", str(prompts), "--enable_cache", "--output_dir", str(tmp_path / "out")])
+        ["--prompts", str(prompts), "--enable_cache", "--compare", "--output_dir",
+         str(tmp_path / "out")])
     report = generate_cmd.run(args)
     assert [Path(v).parent.name for v in report["videos"]] == ["001", "002", "003"]
     first, *rest = report["stage2"]
@@ -73,6 +74,19 @@ def test_three_prompts_compile_the_stage2_programs_once(tmp_path):
                             ("003", ("white", "red"))):
         seen = analyse(shown(tmp_path / "out" / folder / VIDEO))
         assert (seen["foreground"], seen["background"]) == colours, (folder, seen)
+    # --compare: the uncached video beside the cached one, and a strip of both
+    for folder, report in zip(("001", "002", "003"), report["stage2"], strict=True):
+        uncached = read_video(tmp_path / "out" / folder / generate_cmd.UNCACHED_VIDEO)[0]
+        cached = read_video(tmp_path / "out" / folder / VIDEO)[0]
+        assert uncached.shape == cached.shape
+        from PIL import Image
+        strip = np.asarray(Image.open(tmp_path / "out" / folder / generate_cmd.STRIP))
+        f, h, w, _ = cached.shape
+        assert strip.shape[1] == f * w and strip.shape[0] > 2 * h
+        # the strip's rows are the two videos (up to the mp4's compression)
+        assert np.abs(strip[:h].astype(int) - np.concatenate(list(cached), 1)).mean() < 8
+        assert np.abs(strip[-h:].astype(int) - np.concatenate(list(uncached), 1)).mean() < 8
+        assert report["compare"]["speedup"] > 0
 
 
 def test_stage1_writes_what_stage2_reads(tmp_path):
