@@ -195,9 +195,10 @@ def run(args) -> dict:
     reports, backend, uncached = [], None, []
     for i, ((_, run_args, _), given) in enumerate(zip(jobs, encoded, strict=True)):
         r = stage2.resolve(run_args, given)
+        loaded = None
         if backend is None:
-            backend = stage2.open_backend(run_args, r)
-        report = stage2.sample_and_write(run_args, r, backend, writer)
+            backend, loaded = stage2.open_backend(run_args, r)
+        report = stage2.sample_and_write(run_args, r, backend, writer, loaded)
         reports.append(report)
         uncached.append(r.get("uncached_latents"))
         t, c = report["time"], report["compiles"]

@@ -17,6 +17,7 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,7 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     stored: str  # the name in the file, before a single-file export prefix is stripped
+    offset: int = 0  # where its data begins in the file (bytes from the file's start)
 
 
 # --- files and headers -------------------------------------------------------------------------
@@ -181,7 +183,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         dtype, shape, begin, end = _entry(file, name, entry)
-        tensors[name] = TensorInfo(file, dtype, shape, name)
+        tensors[name] = TensorInfo(file, dtype, shape, name, 8 + length + begin)
         spans[name] = (begin, end)
     data_bytes = size - 8 - length
     pos, last = 0, None
@@ -514,11 +516,20 @@ def nonfinite_message(where: str, stored: torch.Tensor, dtype: torch.dtype) -> s
             "load it in a wider dtype")
 
 
-def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None,
-               meta: bool = False):
-    """Build the model of `config` (a name or config; default: config.json beside the weights)
-    and fill it from the checkpoint at `path`. Returns (model, info dict). meta=True reads the
-    headers only: a meta-device model with the shapes and dtypes the load would give."""
+@dataclass(frozen=True)
+class _Checked:
+    """A checkpoint whose headers fit the model: everything a load needs before any data."""
+    files: list[Path]
+    headers: dict[str, TensorInfo]
+    family: Family
+    layout: str
+    model: nn.Module  # on the meta device
+    officials: dict[str, str]  # header name -> our name (fp32 islands are listed in ours)
+
+
+def _check(path, config) -> _Checked:
+    """Read and check the headers against the model of `config` (default: config.json beside
+    the weights): family, keys, shapes and float dtypes, before any tensor data is read."""
     files = checkpoint_files(path)
     headers = read_headers(files)
     found_family, layout = detect(headers)
@@ -545,6 +556,24 @@ def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | Non
         if want.is_floating_point and not info.dtype.is_floating_point:
             raise CheckpointError(f"{info.file}: tensor {info.stored!r} is {_CODES[info.dtype]}; "
                                   f"expected a float weight (the model holds it as {want})")
+    return _Checked(files, headers, family, layout, model, officials)
+
+
+def _meta_state(checked: _Checked, dtype) -> dict[str, torch.Tensor]:
+    """Meta tensors, by header name, with the dtypes a load gives (cast, fp32 islands kept)."""
+    return {name: _cast(torch.empty(info.shape, dtype=info.dtype, device="meta"), checked.family,
+                        checked.officials[name], dtype)
+            for name, info in checked.headers.items()}
+
+
+def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None,
+               meta: bool = False):
+    """Build the model of `config` (a name or config; default: config.json beside the weights)
+    and fill it from the checkpoint at `path`. Returns (model, info dict). meta=True reads the
+    headers only: a meta-device model with the shapes and dtypes the load would give."""
+    checked = _check(path, config)
+    files, headers, family, layout = checked.files, checked.headers, checked.family, checked.layout
+    model, officials = checked.model, checked.officials
 
     state = {}
     for file in [] if meta else files:
@@ -559,13 +588,183 @@ def load_model(path: str | os.PathLike, config=None, *, dtype: torch.dtype | Non
                             value.dtype))
                     state[name] = value
     if meta:
-        state = {name: _cast(metas[name], family, officials[name], dtype) for name in headers}
+        state = _meta_state(checked, dtype)
     state = from_layout(family.name, state, layout)
     model.load_state_dict(state, strict=True, assign=True)
     info = {"family": family.name, "layout": layout, "files": [str(f) for f in files],
             "tensors": len(state)}
     return model, info
 
+
+
+# --- open: check now, read later, a slice at a time ---------------------------------------------
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows [start, stop) along dim 0 of one stored tensor (by header name)."""
+    name: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """Where one parameter's values lie: its dim 0 is the stored row ranges `parts`, one after
+    another, every other dim as stored; `dtype` is the one a load gives it."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: tuple[Rows, ...]
+
+
+_ROW_BITS = 40  # a row number's bits in a row id; the stored tensor's index sits above them
+
+
+def _row_sources(checked: _Checked) -> dict[str, tuple[Rows, ...]]:
+    """Each parameter's stored rows, found by running the layout conversion (`from_layout`, the
+    one place it is written) on row ids: per stored tensor, a vector whose entry i names its
+    row i. The conversions are renames, row reorders and row concatenations (dim 0), so what
+    comes out says where every row of every parameter comes from."""
+    names = sorted(checked.headers)
+    ids = {name: torch.arange(_rows(checked.headers[name].shape), dtype=torch.int64) + (k << _ROW_BITS)
+           for k, name in enumerate(names)}
+    out = {}
+    for param, row_ids in from_layout(checked.family.name, ids, checked.layout).items():
+        which, row = row_ids >> _ROW_BITS, row_ids & ((1 << _ROW_BITS) - 1)
+        # a run ends where the source tensor changes or a row does not follow the one before
+        breaks = torch.nonzero((which[1:] != which[:-1]) | (row[1:] != row[:-1] + 1)).flatten() + 1
+        bounds = [0, *breaks.tolist(), len(row_ids)]
+        out[param] = tuple(Rows(names[int(which[a])], int(row[a]), int(row[b - 1]) + 1)
+                           for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a)
+    return out
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    """Rows of a stored tensor: its dim 0 (a 0-d tensor is one row of one value)."""
+    return shape[0] if shape else 1
+
+
+class CheckpointReader:
+    """A checked checkpoint's parameters, read by rows straight from the files: positional reads
+    of just those rows' bytes (no mapping of the file, no read of other rows), then cast and
+    checked finite as `load_model` does. Thread-safe; the reads release the GIL.
+
+    `sources` says, per parameter (our name), its shape, loaded dtype and stored rows;
+    `bytes_read` counts the tensor bytes read so far.
+    """
+
+    def __init__(self, checked: _Checked, dtype: torch.dtype | None, params: dict[str, torch.Tensor]):
+        self._checked, self._dtype = checked, dtype
+        rows = _row_sources(checked)
+        self.sources = {}
+        for name, p in params.items():
+            parts = rows[name]
+            headers = [checked.headers[r.name] for r in parts]
+            if sum(r.stop - r.start for r in parts) != _rows(tuple(p.shape)) or \
+                    any(tuple(h.shape[1:]) != tuple(p.shape[1:]) for h in headers):
+                raise CheckpointError(f"{name}: its layout conversion is not a map of stored rows; "
+                                      "it cannot be read in slices")
+            self.sources[name] = ParamSource(tuple(p.shape), p.dtype, parts)
+        self.bytes_read = 0
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) of parameter `name` (default: all of it), every other dim whole,
+        in the dtype a load gives; CheckpointError if a value is not finite."""
+        source = self.sources[name]
+        n = _rows(source.shape)
+        start, stop = 0 if start is None else start, n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"{name}: rows [{start}, {stop}) of {n}")
+        pieces, at = [], 0
+        for part in source.parts:
+            size = part.stop - part.start
+            lo, hi = max(start, at), min(stop, at + size)
+            if lo < hi:
+                pieces.append(self._stored_rows(part.name, part.start + lo - at,
+                                                part.start + hi - at, source.dtype))
+            at += size
+        if not source.shape:
+            return pieces[0].reshape(())
+        if not pieces:
+            return torch.empty((0, *source.shape[1:]), dtype=source.dtype)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _stored_rows(self, name: str, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        info = self._checked.headers[name]
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+        nbytes = (stop - start) * row_bytes
+        raw = _read_at(self._fd(info.file), info.offset + start * row_bytes, nbytes, info.file)
+        with self._lock:
+            self.bytes_read += nbytes
+        stored = (torch.frombuffer(raw, dtype=info.dtype) if nbytes
+                  else torch.empty(0, dtype=info.dtype)).reshape(stop - start, *info.shape[1:])
+        value = _cast(stored, self._checked.family, self._checked.officials[name], self._dtype)
+        if value.dtype != dtype:  # pieces of one parameter stored in different float dtypes
+            value = value.to(dtype)
+        if not all_finite(value):
+            part = "" if stop - start == _rows(info.shape) else f" rows {start}-{stop - 1}"
+            raise CheckpointError(nonfinite_message(f"{info.file}: tensor {info.stored!r}{part}",
+                                                    stored, value.dtype))
+        return value
+
+    def _fd(self, file: Path) -> int:
+        with self._lock:
+            if file not in self._fds:
+                try:
+                    self._fds[file] = os.open(file, os.O_RDONLY)
+                except OSError as err:
+                    raise CheckpointError(f"{file}: cannot be read ({err.strerror or err})") from None
+            return self._fds[file]
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Tensor bytes in the checkpoint's files, all of them."""
+        return sum(math.prod(h.shape) * h.dtype.itemsize for h in self._checked.headers.values())
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_at(fd: int, offset: int, nbytes: int, file: Path) -> bytearray:
+    """nbytes of a file from offset, read straight into a new buffer (the GIL is released while
+    the kernel copies)."""
+    buf = bytearray(nbytes)
+    view, done = memoryview(buf), 0
+    try:
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(f"{file}: truncated since its header was checked (no data "
+                                      f"at byte {offset + done})")
+            done += got
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot be read ({err.strerror or err})") from None
+    return buf
+
+
+def open_checkpoint(path: str | os.PathLike, config=None, *, dtype: torch.dtype | None = None):
+    """The model of `config` on the meta device (names, shapes, the dtypes a load gives) and a
+    CheckpointReader of its weights: every check of `load_model` on the headers now, the data
+    later, read by whoever places the weights and only the rows they ask for. Returns
+    (model, reader, info dict); close the reader (or use it as a context manager) when done."""
+    checked = _check(path, config)
+    state = from_layout(checked.family.name, _meta_state(checked, dtype), checked.layout)
+    model = checked.model
+    model.load_state_dict(state, strict=True, assign=True)
+    reader = CheckpointReader(checked, dtype, dict(model.named_parameters()))
+    info = {"family": checked.family.name, "layout": checked.layout,
+            "files": [str(f) for f in checked.files], "tensors": len(state)}
+    return model, reader, info
 
 # --- save --------------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
 from cache.telemetry import trace_csv
 from modules import ops
-from modules.checkpoint import CheckpointError, cast_model, load_model
+from modules.checkpoint import CheckpointError, cast_model, load_model, open_checkpoint
 from modules.layers import ModelConfigError
 from modules.registry import build_model
 
@@ -75,6 +75,13 @@ class OutputError(RuntimeError):
 
 def _gib(n: float) -> str:
     return f"{n / 2 ** 30:,.1f} GiB"
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
 
 
 def _hidden_bytes(pipe, tokens: int) -> int:
@@ -531,6 +538,11 @@ def _has_image(directory):
         return False
 
 
+def _expert_path(pipe, model_path, expert) -> str:
+    sub = pipe.checkpoint_dirs.get(expert)
+    return os.path.join(model_path, sub) if sub else model_path
+
+
 def load_models(pipe, model_path, dtype, seed: int = 0) -> dict:
     """expert -> model: from the checkpoint(s), or tiny random weights drawn from a fixed seed."""
     models = {}
@@ -541,10 +553,25 @@ def load_models(pipe, model_path, dtype, seed: int = 0) -> dict:
             torch.manual_seed(seed + i)
             models[expert] = cast_model(build_model(name), dtype)
         else:
-            sub = pipe.checkpoint_dirs.get(expert)
-            path = os.path.join(model_path, sub) if sub else model_path
-            models[expert], _ = load_model(path, name, dtype=dtype)
+            models[expert], _ = load_model(_expert_path(pipe, model_path, expert), name, dtype=dtype)
     return models
+
+
+def open_models(pipe, model_path, dtype) -> dict:
+    """expert -> (model on the meta device, reader of its checkpoint): every check of a load
+    (headers, keys, shapes) now, the weights later, read by the JAX backend a slice at a time
+    (each host only the rows its devices keep)."""
+    opened = {}
+    try:
+        for expert, name in pipe.experts:
+            model, reader, _ = open_checkpoint(_expert_path(pipe, model_path, expert), name,
+                                               dtype=dtype)
+            opened[expert] = (model, reader)
+    except BaseException:
+        for _, reader in opened.values():
+            reader.close()
+        raise
+    return opened
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -608,9 +635,10 @@ def backend_writer(args) -> bool:
     return is_writer()
 
 
-def make_backend(args, models, plan, layout=None):
+def make_backend(args, models, plan, layout=None, checkpoints=None):
     """The backend the flags ask for. The torch path never imports torchax: torchax renames
-    torch's private device to 'jax', which breaks torch.compile in the same process."""
+    torch's private device to 'jax', which breaks torch.compile in the same process.
+    checkpoints (JAX): expert -> reader its weights are read from (`open_models`)."""
     if args.backend == "torch":
         from torch_backend.backend import TorchBackend
         if args.attention:
@@ -633,7 +661,7 @@ def make_backend(args, models, plan, layout=None):
             raise UsageError(f"--sp_size {args.sp_size}"
                              f"{' --cfg_parallel' if args.cfg_parallel else ''}: {exc}") from None
     return JaxBackend(models, plan, attention_impl=args.attention, mesh=mesh,
-                      weights=args.weight_sharding)
+                      weights=args.weight_sharding, checkpoints=checkpoints)
 
 
 def run(args) -> dict:
@@ -654,21 +682,22 @@ def run(args) -> dict:
 
 def _run(args, r, layout) -> dict:
     writer = layout.rank == 0 if layout is not None else backend_writer(args)
-    return sample_and_write(args, r, open_backend(args, r, layout), writer)
+    backend, loaded = open_backend(args, r, layout)
+    return sample_and_write(args, r, backend, writer, loaded)
 
 
 def open_backend(args, r, layout=None):
-    """The models of `r`'s pipeline on the backend the flags ask for, with `r`'s programs'
-    plan; one backend serves every run of the same pipeline and cache flags."""
-    models = load_models(r["pipe"], args.model_path, r["dtype"])
-    backend = make_backend(args, models, SignalPlan.from_config(r["config"]), layout)
+    """(backend, what loading read or None): the models of `r`'s pipeline on the backend the
+    flags ask for, with `r`'s programs' plan; one backend serves every run of the same pipeline
+    and cache flags."""
+    backend, loaded = _load(args, r, SignalPlan.from_config(r["config"]), layout)
     _check_host_memory(r, backend, args)
-    return backend
+    return backend, loaded
 
 
-def sample_and_write(args, r, backend, writer: bool) -> dict:
-    """One resolved run on an open backend: sample (and the uncached comparison), check, report,
-    write (the writer only)."""
+def sample_and_write(args, r, backend, writer: bool, loaded: dict | None = None) -> dict:
+    """One resolved run on an open backend: sample (and the uncached comparison), check, report
+    (with `loaded`, what opening the backend read), write (the writer only)."""
     pipe, config, plan = r["pipe"], r["config"], backend.plan
     sample = None  # speech-to-video builds its samples clip by clip
     if pipe.task != "s2v":
@@ -692,10 +721,34 @@ def sample_and_write(args, r, backend, writer: bool) -> dict:
             **fidelity(latents, reference, noise),
         }
         r["uncached_latents"] = reference  # for a caller that decodes both (generate --compare)
+    if loaded is not None:
+        report["load"] = loaded
     report["writer"] = writer
     if writer:
         _write(r, latents, report, args)
     return report
+
+
+def _load(args, r, plan, layout):
+    """(backend, what loading read or None). The JAX backend reads a checkpoint slice by slice
+    as it places the weights (each host its own devices' rows); the torch backend, and the JAX
+    backend's tiny random models, take whole models built first."""
+    pipe = r["pipe"]
+    if args.backend != "jax" or args.model_path is None:
+        return make_backend(args, load_models(pipe, args.model_path, r["dtype"]), plan, layout), None
+    began = time.perf_counter()
+    opened = open_models(pipe, args.model_path, r["dtype"])
+    opening = time.perf_counter() - began
+    readers = {expert: reader for expert, (_, reader) in opened.items()}
+    try:
+        backend = make_backend(args, {e: model for e, (model, _) in opened.items()}, plan, layout,
+                               checkpoints=readers)
+    finally:
+        for reader in readers.values():
+            reader.close()
+    return backend, {"seconds": opening + backend.placement_seconds,
+                     "bytes_read": sum(c.bytes_read for c in readers.values()),
+                     "checkpoint_bytes": sum(c.checkpoint_bytes for c in readers.values())}
 
 
 def _sample(backend, config, r, sample, *, progress=None, warmup_rounds=1):
@@ -863,6 +916,10 @@ def format_summary(report: dict) -> str:
         lines.append(f"  fail-safes: {report['failsafes']}")
     lines += [f"  warning: {w}" for w in report.get("warnings", [])]
     lines += format_histograms(report.get("histograms", {}))
+    if report.get("load"):
+        ld = report["load"]
+        lines.append(f"weights: read {_bytes(ld['bytes_read'])} of the checkpoint's "
+                     f"{_bytes(ld['checkpoint_bytes'])} (this host's shards) in {ld['seconds']:.1f} s")
     w, lp = c["warmup"], c["loop"]
     if w is None:
         lines.append(f"compiles: none (eager); warm-up {c['warmup_seconds']:.1f} s")

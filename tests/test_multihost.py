@@ -1,10 +1,12 @@
 """Multi-host stage 2 (issue 24): two processes x 4 emulated CPU devices on localhost, joined by
 jax.distributed with a local coordinator, through the real stage-2 command, against one process
-with 8 emulated devices. Process 0 alone writes and prints; the latents are the same."""
+with 8 emulated devices, both loading one checkpoint. Process 0 alone writes and prints; the
+latents are the same; each process reads from the checkpoint only the rows its devices keep."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -13,16 +15,23 @@ from pathlib import Path
 
 import torch
 
+from modules.checkpoint import read_headers, save_checkpoint
+from modules.registry import build_model
 from sampling.stage_io import CONFIG, LATENTS, read_stage2
+from tests.model_inputs import random_model
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--num_inference_steps", "2", "--sp_size", "4", "--cfg_parallel", "--enable_cache",
-        "--compile_cache_dir", "none", "--no_progress"]
+MODEL = "wan-tiny-ti2v"
+ARGS = ["--model", MODEL, "--num_inference_steps", "1", "--sp_size", "4", "--cfg_parallel",
+        "--enable_cache", "--compile_cache_dir", "none", "--no_progress"]
+COUNTED = str(ROOT / "tests" / "counted_stage2.py")  # the command, its checkpoint reads recorded
 
 
 def _env(devices: int) -> dict:
+    # LLVM's cheapest code generation halves the compiles here; every run has it alike
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
+                         "--xla_backend_optimization_level=0")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
@@ -34,31 +43,83 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_path):
-    script = str(ROOT / "stage2_transformer_flax_deepcache.py")
-    one = subprocess.run([sys.executable, script, *ARGS, "--output_dir", str(tmp_path / "one")],
-                         env=_env(8), capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr[-2000:]
+def _merged(ranges) -> dict[str, list[tuple[int, int]]]:
+    """file -> sorted, merged [begin, end) byte ranges."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for file, begin, end in sorted(ranges):
+        spans = out.setdefault(file, [])
+        if spans and begin <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+        else:
+            spans.append((begin, end))
+    return out
 
+
+def _own_rows(headers, process: int, processes: int = 2, devices: int = 8):
+    """The byte ranges of the checkpoint that one process's devices keep: with FSDP over the
+    8-device mesh, every 2-D block weight is split along dim 0 into 8 row blocks and a process
+    holds the 4 of its own devices (process 0 the first half); everything else is whole on
+    every device."""
+    model = build_model(MODEL, meta=True)
+    ranges = []
+    for name, info in headers.items():
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
+        rows = info.shape[0]
+        if model.block_of(name) is not None and len(info.shape) == 2:
+            assert rows % devices == 0, name  # this model's block weights all split along dim 0
+            share = rows // processes
+            ranges.append((str(info.file), info.offset + process * share * row_bytes,
+                           info.offset + (process + 1) * share * row_bytes))
+        else:
+            ranges.append((str(info.file), info.offset, info.offset + rows * row_bytes))
+    return _merged(ranges)
+
+
+def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_path):
+    ckpt = save_checkpoint(random_model(MODEL, std=0.2), tmp_path / "ckpt",
+                           max_shard_bytes=64 * 1024)
+    args = [*ARGS, "--model_path", str(ckpt)]
+    reads = [tmp_path / f"reads{i}.json" for i in ("one", 0, 1)]
+    one = subprocess.Popen([sys.executable, COUNTED, str(reads[0]), *args, "--output_dir",
+                            str(tmp_path / "one")], env=_env(8), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
     address = f"127.0.0.1:{_port()}"
     out, telemetry = tmp_path / "two", tmp_path / "t.json"
     procs = [subprocess.Popen(
-        [sys.executable, script, *ARGS, "--multihost", "--coordinator_address", address,
-         "--num_processes", "2", "--process_id", str(i), "--output_dir", str(out),
+        [sys.executable, COUNTED, str(reads[1 + i]), *args, "--multihost", "--coordinator_address",
+         address, "--num_processes", "2", "--process_id", str(i), "--output_dir", str(out),
          "--telemetry_json", str(telemetry)],
         env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
-    results = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, results, strict=True):
+    results = [p.communicate(timeout=600) for p in (one, *procs)]
+    for p, (_, err) in zip((one, *procs), results, strict=True):
         assert p.returncode == 0, err[-2000:]
 
-    (stdout0, _), (stdout1, _) = results
+    _, (stdout0, _), (stdout1, _) = results
     # one summary (gloo's own "[Gloo] Rank n is connected" lines go to stdout on every process)
     assert stdout0.count("stage 2:") == 1 and "stage 2:" not in stdout1 and "wrote" not in stdout1
     assert "2 hosts x 4 local" in stdout0
     assert sorted(os.listdir(out)) == [CONFIG, LATENTS]  # one pair
-    assert sorted(os.listdir(tmp_path)) == ["one", "t.json", "two"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "one", "reads0.json", "reads1.json",
+                                            "readsone.json", "t.json", "two"]
     two_latents = read_stage2(str(out))[0]
     assert torch.equal(two_latents, read_stage2(str(tmp_path / "one"))[0])
     report = json.loads(telemetry.read_text())
     assert report["failsafes"] == {}
     assert report["compiles"]["loop"]["lowered"] == 0
+
+    # each process read its own devices' rows of the checkpoint, each byte once, and no other
+    headers = read_headers(sorted(ckpt.glob("*.safetensors")))
+    assert len({info.file for info in headers.values()}) > 1  # shards with an index
+    total = sum(math.prod(i.shape) * i.dtype.itemsize for i in headers.values())
+    everything = _own_rows(headers, 0, processes=1)
+    for path, expected in ((reads[0], everything), (reads[1], _own_rows(headers, 0)),
+                           (reads[2], _own_rows(headers, 1))):
+        done = [(file, offset, offset + n) for file, offset, n in json.loads(path.read_text())]
+        assert _merged(done) == expected, path.name
+        assert sum(end - begin for _, begin, end in done) == sum(
+            end - begin for spans in expected.values() for begin, end in spans), path.name
+    split = sum(math.prod(i.shape) * i.dtype.itemsize for n, i in headers.items()
+                if build_model(MODEL, meta=True).block_of(n) is not None and len(i.shape) == 2)
+    assert split > total / 2  # most of the bytes: each process skipped a quarter of the file
+    assert report["load"] == {**report["load"], "bytes_read": total - split // 2,
+                              "checkpoint_bytes": total}

@@ -42,6 +42,7 @@ def no_work(monkeypatch, tmp_path):
         raise AssertionError("reached past the checks")
     monkeypatch.setattr(aot, "topology_devices", reached)
     monkeypatch.setattr("sampling.stage2.load_models", reached)
+    monkeypatch.setattr("sampling.stage2.open_models", reached)
     return tmp_path
 
 

@@ -301,8 +301,10 @@ class AotBackend(JaxBackend):
         self._persistent.add(id(x))
         return x
 
-    def _place_weight(self, name, p):
-        return self._abstract(p.shape, jax_dtype(p.dtype), self._weight_sharding(name, tuple(p.shape)))
+    def _weights(self, model, checkpoint=None):
+        return {f"model.{name}": self._abstract(p.shape, jax_dtype(p.dtype),
+                                                self._weight_sharding(name, tuple(p.shape)))
+                for name, p in model.named_parameters()}
 
     def put(self, tensor: torch.Tensor):
         x = self._abstract(tensor.shape, jax_dtype(tensor.dtype), self._placement)

@@ -10,6 +10,8 @@ jitted functions, so the loop itself runs no eager op and compiles nothing after
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,7 @@ from sampling.stages import SignalPlan, reference_shape, stages_for
 from sharding import layout
 from sharding.layout import Layout
 
-from . import attention
+from . import attention, loading
 from .compile import compile_counts
 from .torchax_compat import import_torchax
 
@@ -135,10 +137,14 @@ class JaxBackend:
     weights: "replicated" (every device holds every weight) or "fsdp" (the block weights split
     over the mesh, each block gathering its own just before it runs; needs a mesh); None:
     `sharding.jax_sp.default_weights` (FSDP on a mesh of several devices).
+    checkpoints: expert -> a `modules.checkpoint.CheckpointReader` of its weights (that expert's
+    model then only gives names, shapes and dtypes: it may live on the meta device); each
+    process reads only the rows its own devices hold (`tpu.loading`). Experts without one are
+    placed from their model's host tensors the same way.
     """
 
     def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None,
-                 mesh=None, weights: str | None = None):
+                 mesh=None, weights: str | None = None, checkpoints: dict | None = None):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         attention.install()
@@ -165,7 +171,11 @@ class JaxBackend:
         if plan.fn_blocks + plan.bn_blocks > blocks:
             raise ValueError(f"probe blocks ({plan.fn_blocks}) + tail blocks ({plan.bn_blocks}) "
                              f"exceed the model's {blocks} blocks")
-        self.params = {expert: self._weights(model) for expert, model in models.items()}
+        checkpoints = checkpoints or {}
+        began = time.perf_counter()
+        self.params = {expert: self._weights(model, checkpoints.get(expert))
+                       for expert, model in models.items()}
+        self.placement_seconds = time.perf_counter() - began  # reading included
         self.ops = JaxOps(self._call)
         self._programs = None
         self._built = {}  # (conditions, static switches, latent shape) -> programs
@@ -174,14 +184,16 @@ class JaxBackend:
         """Where inputs go without a mesh: None, jax's default device."""
         return None
 
-    def _weights(self, model):
-        with torch.no_grad():
-            return {f"model.{name}": self._place_weight(name, p) for name, p in model.named_parameters()}
-
-    def _place_weight(self, name: str, p: torch.Tensor):
-        array = self.env.t2j_copy(p.detach())
-        sharding = self._weight_sharding(name, tuple(p.shape))
-        return array if sharding is None else jax.device_put(array, sharding)
+    def _weights(self, model, checkpoint=None):
+        """One expert's weights on the devices, by parameter name: read from `checkpoint`, or
+        from the model's own host tensors."""
+        params = dict(model.named_parameters())
+        specs = {name: loading.WeightSpec(tuple(p.shape), p.dtype,
+                                          self._weight_sharding(name, tuple(p.shape)))
+                 for name, p in params.items()}
+        read = checkpoint.read if checkpoint is not None else loading.host_rows(params)
+        placed = loading.place_all(specs, read)
+        return {f"model.{name}": placed[name] for name in params}
 
     def _weight_sharding(self, name: str, shape: tuple[int, ...]):
         """A weight's sharding: the layout's rule on a mesh (replicated or FSDP), else None."""

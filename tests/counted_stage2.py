@@ -1,0 +1,28 @@
+"""The stage-2 command with every checkpoint read recorded (run by tests/test_multihost.py):
+`python tests/counted_stage2.py READS.json STAGE2-ARGS...` runs `sampling.stage2.main` on the
+arguments and then writes each read of checkpoint data as [file, offset, bytes] to READS.json."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from modules import checkpoint  # noqa: E402
+
+reads = []
+_read_at = checkpoint._read_at
+
+
+def _recorded(fd, offset, nbytes, file):
+    reads.append((str(file), offset, nbytes))
+    return _read_at(fd, offset, nbytes, file)
+
+
+if __name__ == "__main__":
+    checkpoint._read_at = _recorded  # the reader's one way to the file's bytes
+    from sampling.stage2 import main
+    code = main(sys.argv[2:])
+    with open(sys.argv[1], "w") as fh:
+        json.dump(reads, fh)
+    sys.exit(code)
