@@ -49,13 +49,13 @@ from .stage_io import (
     EMBEDDINGS,
     LATENTS,
     STAGE3_FIELDS,
+    Staged,
     StageFileError,
     check_distinct,
     check_tensors,
     check_writable,
     check_writable_file,
     read_config,
-    Staged,
     read_stage1,
     write_stage2,
 )
@@ -652,7 +652,6 @@ def make_backend(args, models, plan, layout=None, checkpoints=None):
     enable_compile_cache(None if cache_dir.lower() == "none" else cache_dir)
     mesh = None
     if args.sp_size > 1 or args.cfg_parallel or args.multihost:
-        import jax
 
         from sharding.jax_sp import make_mesh
         try:
