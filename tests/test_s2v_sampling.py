@@ -170,7 +170,8 @@ def test_clip_counts_and_geometry_are_checked():
 def _cli(cwd, *args, devices=None, **extra_env):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra_env
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                            "--xla_backend_optimization_level=0")
     return subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
                            "--model", NAME, *args, "--no_progress"], cwd=cwd, env=env,
                           capture_output=True, text=True)

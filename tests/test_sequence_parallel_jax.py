@@ -68,7 +68,8 @@ def test_one_all_reduce_per_probe_for_every_signal(facts, name):
 def _cli(tmp_path, *args, devices=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                            "--xla_backend_optimization_level=0")
     return subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
                            *args, "--no_progress", "--output_dir", "out"], cwd=tmp_path, env=env,
                           capture_output=True, text=True)
