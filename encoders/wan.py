@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from modules.checkpoint import CheckpointError, read_header
 from modules.vae import (
+    TINY_VAE_SEED,
     VaeError,
     build_tiny,
     from_vae_latents,
@@ -293,8 +294,8 @@ def tiny_weights(pipeline, image: bool = False) -> Path:
         umt5.write_tiny(root, pipeline.config.text_dim, _TINY_CORPUS)
         _TINY[key] = root
     if image and not (root / DIFFUSERS_VAE).is_dir():
-        # seed 0: the tiny VAE stage 3 decodes with (sampling/stage3.py TINY_VAE_SEED)
-        build_tiny(spec, channels, seed=0).save_pretrained(str(root / DIFFUSERS_VAE))
+        # the tiny VAE stage 3 decodes with
+        build_tiny(spec, channels, seed=TINY_VAE_SEED).save_pretrained(str(root / DIFFUSERS_VAE))
     return root
 
 

@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from modules.vae import TINY_VAE_SEED  # the seed stage 3 builds its tiny VAE with
+
 from .request import EncoderInputError, Request
 
 WAV2VEC_DIR = "wav2vec2-large-xlsr-53-english"  # wan/configs/wan_s2v_14B.py `wav2vec`
@@ -57,12 +59,18 @@ VIDEO_FPS = 16  # wan shared config sample_fps; get_audio_embed_bucket_fps(fps=1
 SIZE_DIVISOR = 64  # get_size_less_than_area(divisor=64)
 SILENCE_RMS = 1e-4  # -80 dBFS: below one 16-bit LSB of dither, the file holds no speech
 TINY_SEED = 0  # the tiny wav2vec2's weights
-TINY_VAE_SEED = 0  # the seed stage 3 builds its tiny VAE with (sampling.stage3.TINY_VAE_SEED)
 TINY_MAX_DIM = 64  # weights=None builds random encoders only this small (the tiny pipelines)
 AUDIO_DTYPE = torch.bfloat16  # encode_audio casts to param_dtype (bf16)
 
 
 # --- reading the inputs ----------------------------------------------------------------------------
+
+def _check_file(path: str, flag: str, expected: str) -> None:
+    if not os.path.exists(path):
+        raise EncoderInputError(flag, "no such file", expected)
+    if not os.path.isfile(path):
+        raise EncoderInputError(flag, "not a regular file", expected)
+
 
 def read_audio(path: str) -> np.ndarray:
     """The speech as librosa.load(path, sr=16000) gives it: float32 mono at 16 kHz."""
@@ -71,10 +79,7 @@ def read_audio(path: str) -> np.ndarray:
 
     flag = f"--audio {path}"
     expected = "a speech recording libsndfile decodes (WAV, FLAC, OGG or MP3)"
-    if not os.path.exists(path):
-        raise EncoderInputError(flag, "no such file", expected)
-    if not os.path.isfile(path):
-        raise EncoderInputError(flag, "not a regular file", expected)
+    _check_file(path, flag, expected)
     try:
         with sf.SoundFile(path) as f:
             rate = f.samplerate
@@ -101,10 +106,7 @@ def read_image(path: str):
 
     flag = f"--image {path}"
     expected = "the reference image (a file PIL decodes: PNG, JPEG, ...)"
-    if not os.path.exists(path):
-        raise EncoderInputError(flag, "no such file", expected)
-    if not os.path.isfile(path):
-        raise EncoderInputError(flag, "not a regular file", expected)
+    _check_file(path, flag, expected)
     try:
         with Image.open(path) as img:
             return img.convert("RGB")
@@ -555,9 +557,9 @@ def encode_audio(folder, audio: np.ndarray, frames_per_clip: int, device="cpu") 
 def encode_reference(pipeline, vae_path, image, height: int, width: int, device="cpu"):
     """[1, z, 1, H/8, W/8] fp32: the VAE's mean of the preprocessed reference image, normalised
     per channel (the official Wan2_1_VAE.encode; diffusers mode() then (z - mean) / std)."""
-    from modules.vae import VaeError, load_vae, spec_for
-
     from diffusers.utils import logging
+
+    from modules.vae import VaeError, load_vae, spec_for
 
     level = logging.get_verbosity()
     logging.set_verbosity_error()  # its note that `accelerate` would load faster

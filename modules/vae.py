@@ -136,7 +136,11 @@ def _diffusers_class(spec: VaeSpec):
     return getattr(diffusers, spec.class_name)
 
 
-def build_tiny(spec: VaeSpec, z_dim: int, seed: int = 0, dtype=torch.float32):
+# The seed of the tiny random VAEs: stage 3 decodes with the one stage 1 encodes with.
+TINY_VAE_SEED = 0
+
+
+def build_tiny(spec: VaeSpec, z_dim: int, seed: int = TINY_VAE_SEED, dtype=torch.float32):
     """A random-weight VAE of the spec's architecture; the same seed gives the same weights."""
     if spec is PIXELS:
         return PixelLatents(z_dim)

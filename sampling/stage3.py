@@ -21,6 +21,7 @@ import torch
 
 from modules.vae import (
     PIXELS,
+    TINY_VAE_SEED,
     VaeError,
     build_tiny,
     enable_tiling,
@@ -45,7 +46,6 @@ from .stage_io import (
 )
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TINY_VAE_SEED = 0
 # what an H.264 mp4 plays: ffmpeg refuses frame rates it cannot write as a 1/90000 time base,
 # and no player shows more than a few hundred frames a second
 MIN_FPS, MAX_FPS = 0.1, 1000.0
