@@ -5,14 +5,14 @@
     python stage3_vae_decode.py --input_dir D --vae_path /ckpts/Wan2.1_VAE.pth --fps 16
     torchrun --nproc_per_node 4 stage3_vae_decode.py --input_dir D --vae_path V --patch_parallel
 
-Argument parsing and wiring only; the work is in sampling/stage3.py.
+Argument parsing and wiring only; the work is in commands/stage3.py.
 """
 
 from __future__ import annotations
 
 import sys
 
-from sampling.stage3 import ERRORS, build_parser, format_summary, main, run  # noqa: F401
+from commands.stage3 import ERRORS, build_parser, format_summary, main, run  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -140,11 +140,11 @@ def child(args) -> dict:
     import jax
     import torch
 
+    from compat.torchax_compat import import_torchax
     from modules.checkpoint import load_model, open_checkpoint
     from modules.registry import build_model
     from sharding.jax_sp import JaxSequenceLayout, make_mesh
     from tpu import loading
-    from tpu.torchax_compat import import_torchax
 
     config = _config(args)
     mesh = make_mesh(DEVICES, 1)

@@ -30,8 +30,11 @@ from cache import CMConfig, DeepCacheConfig  # noqa: E402
 from modules.hunyuan_video15 import CONFIGS  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
-from sampling.run import make_sample, sample_once  # noqa: E402
-from sampling.stage2 import layer_ideal  # noqa: E402
+from sampling.run import (  # noqa: E402
+    layer_ideal,  # noqa: E402
+    make_sample,
+    sample_once,
+)
 from sampling.stages import SignalPlan  # noqa: E402
 from tpu.backend import JaxBackend  # noqa: E402
 

@@ -388,10 +388,11 @@ def cachedit_setup(wl: Workload, fn: int, bn: int, rdt: float, taylorseer: bool)
 # --- our budgeted mode: calibrate on held-out draws, then ask for an error budget ------------
 
 def budget_profile(wl: Workload, path: str) -> dict:
-    """`python -m sampling.calibrate --budget`'s measurement on this workload: every
+    """`python -m commands.calibrate --budget`'s measurement on this workload: every
     configuration of sampling/budget.py's SPACE on the draws BUDGET_SEEDS (none of them
     evaluated), written to `path`; returns the budget block."""
-    from sampling import budget, calibrate
+    from commands import calibrate
+    from sampling import budget
 
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     candidates = calibrate.measure_space(

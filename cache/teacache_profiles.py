@@ -72,7 +72,7 @@ class ProfileError(ValueError):
 
 @functools.lru_cache(maxsize=32)
 def load_profile_file(path: str) -> PolyProfile:
-    """A calibrated profile written by `python -m sampling.calibrate` (JSON), checked field by
+    """A calibrated profile written by `python -m commands.calibrate` (JSON), checked field by
     field (check_profile); ProfileError, one line naming the file and the field, otherwise."""
     try:
         return check_profile(read_json(path), path)
@@ -86,13 +86,13 @@ _EXPERTS = "an object mapping each expert's name to its coefficients"
 
 def check_profile(d, path: str) -> PolyProfile:
     """The PolyProfile of a parsed profile file, every field checked as
-    `python -m sampling.calibrate` writes it: coefficients and signal are required; threshold,
+    `python -m commands.calibrate` writes it: coefficients and signal are required; threshold,
     warmup, source, the fitted rel ranges (null: not known) and the per-expert fits may be left
     out; r2, points and experts_r2 (what the fit reported) are checked where present. Other keys
     (the `budget` block of a budget profile) are not this format's. FieldError otherwise."""
     if not isinstance(d, dict):
         raise FieldError(f"holds a JSON {json_type(d)}; expected an object, as "
-                         "`python -m sampling.calibrate` writes it")
+                         "`python -m commands.calibrate` writes it")
     coefficients = _coefficients(d.get("coefficients", MISSING), "coefficients")
     signal = json_str(d.get("signal", MISSING), "signal", choices=SIGNALS)
     threshold = json_number(d.get("threshold", 0.15), "threshold", minimum=0.0)

@@ -31,7 +31,6 @@ import warnings
 
 import numpy as np
 
-from sampling import stage2, stage3
 from sampling.cli import UsageError, as_int, command
 from sampling.pipelines import DEFAULT_PROMPT_PIPELINE
 from sampling.stage_io import (
@@ -45,7 +44,7 @@ from sampling.stage_io import (
     write_stage,
 )
 
-from . import stage1
+from . import stage1, stage2, stage3
 
 ERRORS = (*stage1.ERRORS, *stage2.ERRORS, *stage3.ERRORS)
 LINE_KEYS = ("prompt", "negative_prompt", "image", "audio", "seed")

@@ -1,6 +1,6 @@
 """Budgeted mode: a target instead of a setting.
 
-`python -m sampling.calibrate --budget` runs every configuration of SPACE (the techniques,
+`python -m commands.calibrate --budget` runs every configuration of SPACE (the techniques,
 forecast orders, thresholds and limits we ship) on a few calibration draws, each against the
 uncached run of the same draw, and stores per configuration the final-latent relative L2 error
 and the computed fraction of block evaluations of every draw. A run then asks for a target:
@@ -155,7 +155,7 @@ def load(profile_path: str) -> dict:
 
 
 def check(profile) -> dict:
-    """The budget block of a parsed profile, every field checked as `python -m sampling.calibrate
+    """The budget block of a parsed profile, every field checked as `python -m commands.calibrate
     --budget` writes it (budget_block): format, model, seeds, steps and candidates are required
     (what a run reads); solver, shift and pooled_log_spread, a record of the calibration, are
     checked where present. Each candidate's rel_l2 holds one error per draw, >= 0, or NaN or
@@ -163,18 +163,18 @@ def check(profile) -> dict:
     fraction per draw in [0, 1]; config a partial CMConfig that builds. FieldError otherwise."""
     if not isinstance(profile, dict):
         raise FieldError(f"holds a JSON {json_type(profile)}; expected an object holding the "
-                         "budget that `python -m sampling.calibrate --budget` writes")
+                         "budget that `python -m commands.calibrate --budget` writes")
     budget = profile.get("budget", MISSING)
     if budget is MISSING or not isinstance(budget, dict):
         older = "budget_curve" in profile
-        refuse_field("budget", budget, f"the budget measured by `python -m sampling.calibrate "
+        refuse_field("budget", budget, f"the budget measured by `python -m commands.calibrate "
                                        f"--budget` (an object, format {FORMAT})"
                      + ("; this one holds the older TeaCache-only threshold curve, calibrate "
                         "again" if older else ""))
     version = budget.get("format", MISSING)
     if not (type(version) is int and version == FORMAT):
         refuse_field("budget.format", version,
-                     f"{FORMAT} (the budget format `python -m sampling.calibrate --budget` "
+                     f"{FORMAT} (the budget format `python -m commands.calibrate --budget` "
                      "writes); calibrate again")
     seeds = json_list(budget.get("seeds", MISSING), "budget.seeds",
                       "the seeds of at least 2 draws (the bound needs a spread)", min_length=2)

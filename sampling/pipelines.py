@@ -24,6 +24,12 @@ RANDOM = "random"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MASK_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.float16)
 
+# Input limits of a sampling run, shared by stage 2 and the deviceless compile.
+# CFG scales in use are 1-10; far above, cond - uncond is amplified until the latents overflow
+MAX_GUIDANCE = 100.0
+MAX_STEPS = 1000  # schedules in use take 4-100 steps; each step keeps a trace row and timings
+MAX_TOKENS = 1 << 20
+
 
 class SizeError(ValueError):
     """A clip size the VAE and patch strides cannot take; `name` is the setting at fault

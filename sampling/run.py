@@ -156,3 +156,9 @@ def sample_once(backend: Backend, config: CMConfig, sample: Sample, *, solver: s
 def _delta(after, before):
     return None if after is None else after - before
 
+
+def layer_ideal(num_blocks: int, computed: int, reused: int, fn: int, bn: int) -> float:
+    """Speedup the schedule allows if time were proportional to blocks run (head counted as one):
+    HunyuanVideo-1.5's 54 blocks with DeepCache 11/45/4 over 50 steps give 2750 / 1425 = 1.93x."""
+    full = num_blocks + 1
+    return (computed + reused) * full / (computed * full + reused * (fn + bn + 1))

@@ -8,7 +8,6 @@ host maths and live in the telemetry JSON; TensorBoard and matplotlib are option
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections import defaultdict
 

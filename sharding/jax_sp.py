@@ -28,8 +28,8 @@ import torch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from compat.torchax_compat import import_torchax
 from modules import ops
-from tpu.torchax_compat import import_torchax
 
 from . import layout
 from .layout import Layout

@@ -1,5 +1,5 @@
 """The stage-2 command with every checkpoint read recorded (run by tests/test_multihost.py):
-`python tests/counted_stage2.py READS.json STAGE2-ARGS...` runs `sampling.stage2.main` on the
+`python tests/counted_stage2.py READS.json STAGE2-ARGS...` runs `commands.stage2.main` on the
 arguments and then writes each read of checkpoint data as [file, offset, bytes] to READS.json."""
 
 import json
@@ -21,7 +21,7 @@ def _recorded(fd, offset, nbytes, file):
 
 if __name__ == "__main__":
     checkpoint._read_at = _recorded  # the reader's one way to the file's bytes
-    from sampling.stage2 import main
+    from commands.stage2 import main
     code = main(sys.argv[2:])
     with open(sys.argv[1], "w") as fh:
         json.dump(reads, fh)

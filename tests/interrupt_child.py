@@ -37,7 +37,8 @@ def hold(seconds: float = 60.0) -> None:
 def main() -> int:
     stage, point, folder = sys.argv[1:4]
     argv = sys.argv[sys.argv.index("--") + 1:]
-    from sampling import stage2, stage3, stage_io
+    from commands import stage2, stage3
+    from sampling import stage_io
 
     if point == "loop":
         def progress(enabled):

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cache import CMConfig, TeaCacheConfig  # noqa: E402
+from compat.torchax_compat import import_torchax  # noqa: E402
 from modules.checkpoint import load_model, open_checkpoint, save_checkpoint  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
@@ -31,7 +32,6 @@ from sharding.jax_sp import make_mesh  # noqa: E402
 from tests.model_inputs import random_model  # noqa: E402
 from tpu.backend import JaxBackend  # noqa: E402
 from tpu.compile import enable_compile_cache  # noqa: E402
-from tpu.torchax_compat import import_torchax  # noqa: E402
 
 # (pipeline, stored layout, stored dtype, loaded dtype, sp, cfg, weights)
 CASES = [

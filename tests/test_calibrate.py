@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache import CMConfig, ConfigError, TeaCacheConfig
-from sampling import calibrate
+from commands import calibrate
 from sampling.pipelines import get_pipeline
 from sampling.run import make_sample, sample_once
 from sampling.stages import SignalPlan
@@ -105,8 +105,7 @@ def test_the_bound_is_a_t_prediction_bound_on_log_errors_with_the_pooled_spread_
 
 
 def test_choose_takes_the_cheapest_configuration_whose_bound_keeps_the_budget():
-    from sampling.budget import BudgetError, choose
-    from sampling.budget import bounds
+    from sampling.budget import BudgetError, bounds, choose
     budget = {"candidates": [
         candidate("careful", [1e-3, 1.1e-3, 1.2e-3], [0.6, 0.6, 0.6]),
         candidate("cheap", [4e-3, 5e-3, 4.5e-3], [0.3, 0.35, 0.3]),
@@ -155,8 +154,8 @@ SMALL_SPACE = (  # three configurations of the shipped space, so the test stays 
 @pytest.mark.parametrize("model", ["hunyuanvideo-tiny", "wan-tiny-ti2v"])
 def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_path, monkeypatch,
                                                                           model):
+    from commands.stage2 import build_parser, run
     from sampling import budget
-    from sampling.stage2 import build_parser, run
     monkeypatch.setattr(budget, "SPACE", SMALL_SPACE)
     path = tmp_path / "profile.json"
     assert calibrate.main(["--model", model, "--samples", "2", "--first_seed", "1",

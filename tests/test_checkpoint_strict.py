@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import stage2_transformer_flax_deepcache as stage2
 import stage3_vae_decode as stage3
+from commands import calibrate
 from modules import checkpoint
 from modules.checkpoint import (
     INDEX_NAME,
@@ -33,7 +34,6 @@ from modules.checkpoint import (
     save_checkpoint,
 )
 from modules.vae import VAES, VaeError, build_tiny, load_vae
-from sampling import calibrate
 from tests.model_inputs import random_model
 from tests.test_refusals import refused
 from tests.test_stage3 import stage2_dir

@@ -106,7 +106,7 @@ def test_stage1_writes_what_stage2_reads(tmp_path):
 
 def test_stage1_tiny_random_encoders_feed_stage2(tmp_path):
     """The tiny random pipelines' stage 1 goes through the real encoders' code (no hub)."""
-    from sampling import stage2
+    from commands import stage2
     for model in ("wan-tiny-ti2v", "hunyuanvideo-tiny"):
         folder = tmp_path / model
         assert stage1_encode.main(["--model", model, "--prompt", "a cat on a sofa",

@@ -16,9 +16,9 @@ import torch
 
 import stage2_transformer_flax_deepcache as stage2_script
 import stage3_vae_decode as stage3
-from sampling import stage2
+from commands import stage2
 from sampling.pipelines import get_pipeline
-from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, read_stage2, write_stage
+from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, read_stage2, write_stage
 from tests.test_refusals import refused, snapshot
 
 FAST = ["--backend", "torch", "--num_inference_steps", "2", "--no_progress",

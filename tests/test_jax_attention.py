@@ -10,10 +10,10 @@ import functools
 import pytest
 import torch
 
+from compat.torchax_compat import import_torchax
 from modules import ops
 from tests.model_inputs import Positional, hy_inputs, random_model, rel_err, wan_inputs
 from tpu import attention
-from tpu.torchax_compat import import_torchax
 
 torchax = import_torchax()
 env = torchax.default_env()

@@ -17,7 +17,8 @@ import shutil
 import signal
 import tempfile
 
-from sampling import calibrate, stage2, stage3, stage_io
+from commands import calibrate, stage2, stage3
+from sampling import stage_io
 from sampling.stage_io import CONFIG, LATENTS, VIDEO, read_stage2
 
 FORK = multiprocessing.get_context("fork")

@@ -131,7 +131,7 @@ def test_every_named_config_builds():
 
 def test_models_trace_under_torchax():
     """jax.jit of whole forwards: no .item(), boolean indexing, complex or random op inside."""
-    from tpu.torchax_compat import import_torchax
+    from compat.torchax_compat import import_torchax
     torchax = import_torchax()
     env = torchax.default_env()
 

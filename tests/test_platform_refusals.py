@@ -41,8 +41,8 @@ def no_work(monkeypatch, tmp_path):
     def reached(*args, **kwargs):
         raise AssertionError("reached past the checks")
     monkeypatch.setattr(aot, "topology_devices", reached)
-    monkeypatch.setattr("sampling.stage2.load_models", reached)
-    monkeypatch.setattr("sampling.stage2.open_models", reached)
+    monkeypatch.setattr("commands.stage2.load_models", reached)
+    monkeypatch.setattr("commands.stage2.open_models", reached)
     return tmp_path
 
 

@@ -1,7 +1,7 @@
 """Calibrated profiles are checked field by field on load (issue 23, item 6 and the poly profile
 of item 8): a budget profile (`--budget_profile`, sampling/budget.py) and a TeaCache poly profile
 (`--teacache_policy poly:<file>`, cache/teacache_profiles.py). Each tampering of a profile that
-`python -m sampling.calibrate --budget` really wrote is refused in one line naming the file, the
+`python -m commands.calibrate --budget` really wrote is refused in one line naming the file, the
 field (its path in the file) and what was expected; the commands print that line, exit 2 and
 write nothing."""
 
@@ -17,7 +17,8 @@ import pytest
 import stage2_transformer_flax_deepcache as stage2
 from cache import ConfigError, TeaCacheConfig
 from cache.teacache_profiles import PolyProfile, ProfileError, load_profile_file
-from sampling import budget, calibrate
+from commands import calibrate
+from sampling import budget
 from sampling.budget import BudgetError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ SMALL_SPACE = (  # two configurations of the shipped space, so the calibration s
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """A profile as `python -m sampling.calibrate --budget` writes it (the real writer)."""
+    """A profile as `python -m commands.calibrate --budget` writes it (the real writer)."""
     path = tmp_path_factory.mktemp("calibrated") / "profile.json"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(budget, "SPACE", SMALL_SPACE)

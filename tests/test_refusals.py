@@ -20,9 +20,10 @@ import torch
 
 import stage2_transformer_flax_deepcache as stage2
 import stage3_vae_decode as stage3
-from sampling import calibrate, stage_io
+from commands import calibrate
+from sampling import stage_io
 from sampling.pipelines import get_pipeline
-from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, read_stage2, write_stage, write_stage2
+from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, write_stage, write_stage2
 
 ROOT = Path(__file__).resolve().parents[1]
 UNWRITABLE = "/proc/issue16"  # refused to everyone, root included (permission bits are not)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+from commands.stage3 import TINY_VAE_SEED, to_frames
 from modules.vae import VAES, VaeError, build_tiny, load_vae, spec_for, to_diffusers_keys, to_vae_latents
 from sampling.pipelines import get_pipeline
-from sampling.stage3 import TINY_VAE_SEED, to_frames
 from sampling.stage_io import CONFIG, LATENTS, VIDEO, write_stage2
 from stage3_vae_decode import main
 

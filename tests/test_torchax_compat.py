@@ -1,8 +1,8 @@
-"""torchax 0.0.13 under torch 2.13 through tpu.torchax_compat (see its removal condition)."""
+"""torchax 0.0.13 under torch 2.13 through compat.torchax_compat (see its removal condition)."""
 
 import torch
 
-from tpu.torchax_compat import _NAMED_OVERLOAD, import_torchax, patched_overloads
+from compat.torchax_compat import _NAMED_OVERLOAD, import_torchax, patched_overloads
 
 
 def test_torchax_imports_and_runs_a_jitted_module():
@@ -20,7 +20,7 @@ def test_torchax_imports_and_runs_a_jitted_module():
 def test_the_shim_stood_in_only_for_named_tensor_overloads_and_is_gone_after():
     import_torchax()
     if torchax_version() > (0, 0, 13):
-        assert not patched_overloads, "torchax no longer needs tpu/torchax_compat.py: remove it"
+        assert not patched_overloads, "torchax no longer needs compat/torchax_compat.py: remove it"
     assert patched_overloads, "torchax 0.0.13 names removed overloads; the shim should have seen them"
     assert all(_NAMED_OVERLOAD.search(name.split(".", 1)[1]) for name in patched_overloads)
     assert not hasattr(torch.ops.aten.all, "dimname"), "torch regained Dimname overloads, or the shim leaked"

@@ -266,7 +266,7 @@ def test_rejects_bad_shapes(change, message):
 
 
 def test_traces_under_torchax():
-    from tpu.torchax_compat import import_torchax
+    from compat.torchax_compat import import_torchax
     torchax = import_torchax()
     env = torchax.default_env()
     model = random_model(TINY, std=0.2)

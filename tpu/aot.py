@@ -49,12 +49,11 @@ from modules.checkpoint import CheckpointError, cast_model, load_model  # noqa: 
 from modules.layers import ModelConfigError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.cli import UsageError, as_int, as_number, command  # noqa: E402
-from sampling.loop import PAIR_ORDER, Combination, folding  # noqa: E402
-from sampling.pipelines import PIPELINES, SizeError, get_pipeline  # noqa: E402
+from sampling.loop import Combination, folding  # noqa: E402
+from sampling.pipelines import MAX_GUIDANCE, MAX_STEPS, MAX_TOKENS, PIPELINES, SizeError, get_pipeline  # noqa: E402  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
 from sampling.schedulers import SOLVERS, SchedulerError, make_scheduler  # noqa: E402
 from sampling.stage_io import StageFileError, check_writable_file  # noqa: E402
-from sampling.stage2 import MAX_GUIDANCE, MAX_STEPS, MAX_TOKENS  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import WEIGHT_SHARDINGS, make_mesh  # noqa: E402
 

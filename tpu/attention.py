@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import torch
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from compat.torchax_compat import import_torchax
 from modules import ops
-from tpu.torchax_compat import import_torchax
 
 torchax = import_torchax()
 _interop = torchax.interop

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from compat.torchax_compat import import_torchax
 from modules import ops
 from sampling.stages import SignalPlan, reference_shape, stages_for
 from sharding import layout
@@ -24,7 +25,6 @@ from sharding.layout import Layout
 
 from . import attention, loading
 from .compile import compile_counts
-from .torchax_compat import import_torchax
 
 
 @jax.jit

@@ -24,18 +24,25 @@ from modules import ops
 from modules.checkpoint import CheckpointError, cast_model, load_model, open_checkpoint
 from modules.layers import ModelConfigError
 from modules.registry import build_model
-
-from . import platforms
-from .budget import BudgetError
-from .budget import choose as budget_choose
-from .budget import load as budget_load
-from .cli import UsageError, as_int, as_number, command
-from .clips import sample_clips
-from .fidelity import fidelity
-from .pipelines import DEFAULT_PIPELINE, PIPELINES, SizeError, get_pipeline
-from .run import make_sample, noise_for, sample_once
-from .schedulers import SOLVERS, SchedulerError
-from .sinks import (
+from sampling import platforms
+from sampling.budget import BudgetError
+from sampling.budget import choose as budget_choose
+from sampling.budget import load as budget_load
+from sampling.cli import UsageError, as_int, as_number, command
+from sampling.clips import sample_clips
+from sampling.fidelity import fidelity
+from sampling.pipelines import (
+    DEFAULT_PIPELINE,
+    MAX_GUIDANCE,
+    MAX_STEPS,
+    MAX_TOKENS,
+    PIPELINES,
+    SizeError,
+    get_pipeline,
+)
+from sampling.run import layer_ideal, make_sample, noise_for, sample_once
+from sampling.schedulers import SOLVERS, SchedulerError
+from sampling.sinks import (
     SinkUnavailable,
     format_histograms,
     histograms,
@@ -44,7 +51,7 @@ from .sinks import (
     require_tensorboard,
     write_tensorboard,
 )
-from .stage_io import (
+from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
     LATENTS,
@@ -59,14 +66,10 @@ from .stage_io import (
     read_stage1,
     write_stage2,
 )
-from .stages import SignalPlan
+from sampling.stages import SignalPlan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEED = 42
-# CFG scales in use are 1-10; far above, cond - uncond is amplified until the latents overflow
-MAX_GUIDANCE = 100.0
-MAX_STEPS = 1000  # schedules in use take 4-100 steps; each step keeps a trace row and timings
-MAX_TOKENS = 1 << 20
 
 
 class OutputError(RuntimeError):
@@ -206,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gathering its own as it runs; replicated keeps every weight on every "
                         "device (default: fsdp when sp_size x cfg > 1)")
     g = parser.add_argument_group("budgeted mode (a target instead of a technique and threshold)")
-    g.add_argument("--budget_profile", help="profile written by `python -m sampling.calibrate "
+    g.add_argument("--budget_profile", help="profile written by `python -m commands.calibrate "
                    "--budget` for this model and step count")
     g.add_argument("--budget_rel_err", type=float, help="final-latent relative L2 error to stay "
                    "within: the configuration computing the least whose calibrated error bound "
@@ -597,13 +600,6 @@ def _cache_metadata(config: CMConfig) -> dict:
     if dc is not None:
         out.update(cache_start_step=dc.start, cache_end_step=dc.end, cache_step_interval=dc.interval)
     return out
-
-
-def layer_ideal(num_blocks: int, computed: int, reused: int, fn: int, bn: int) -> float:
-    """Speedup the schedule allows if time were proportional to blocks run (head counted as one):
-    HunyuanVideo-1.5's 54 blocks with DeepCache 11/45/4 over 50 steps give 2750 / 1425 = 1.93x."""
-    full = num_blocks + 1
-    return (computed + reused) * full / (computed * full + reused * (fn + bn + 1))
 
 
 def _torch_device(name):

@@ -2,7 +2,7 @@
 to the model output's relative change, and write it as a profile `--teacache_policy poly:<file>`
 loads (one fit per expert for Wan2.2 I2V-A14B, and one over all calls).
 
-    python -m sampling.calibrate --model wan-tiny-i2v --samples 3 --out profile.json
+    python calibrate.py --model wan-tiny-i2v --samples 3 --out profile.json
 
 Each sample is an uncached run (threshold 0: nothing is skipped) on its own seed; every model call
 gives a pair (signature change, output change), the output change being
@@ -11,7 +11,7 @@ mean |out_t - out_{t-1}| / mean |out_{t-1}| of the same branch. The fit is numpy
 With --budget it also runs every configuration budgeted mode chooses from (sampling/budget.py)
 on the samples and stores their errors and computed fractions in the same profile:
 
-    python -m sampling.calibrate --model wan-tiny-ti2v --samples 3 --budget --out profile.json
+    python calibrate.py --model wan-tiny-ti2v --samples 3 --budget --out profile.json
     python stage2_transformer_flax_deepcache.py --model wan-tiny-ti2v \
         --budget_profile profile.json --budget_rel_err 5e-3 --compare
 """
@@ -32,14 +32,13 @@ from cache.validate import FieldError
 from modules import ops
 from modules.checkpoint import CheckpointError
 from modules.layers import ModelConfigError
-
-from . import budget
-from .cli import UsageError, as_int, command
-from .pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
-from .run import make_sample, sample_once
-from .schedulers import SchedulerError
-from .stage_io import StageFileError, atomic_write, check_writable_file
-from .stages import SignalPlan
+from sampling import budget
+from sampling.cli import UsageError, as_int, command
+from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
+from sampling.run import make_sample, sample_once
+from sampling.schedulers import SchedulerError
+from sampling.stage_io import StageFileError, atomic_write, check_writable_file
+from sampling.stages import SignalPlan
 
 
 class OutputChanges:
@@ -80,8 +79,7 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
     the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
     draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
     from cache.flags import config_from_fields
-
-    from .fidelity import fidelity
+    from sampling.fidelity import fidelity
 
     backends = {}
     blocks = pipe.config.num_layers
@@ -147,7 +145,7 @@ def fit(pairs, degree: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m sampling.calibrate",
+    ap = argparse.ArgumentParser(prog="python -m commands.calibrate",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES))
     ap.add_argument("--model_path")
@@ -211,7 +209,7 @@ def run(args) -> dict:
     result = fit(pairs, r["degree"])
     profile = {
         "signal": args.teacache_signal, "threshold": 0.15, "warmup": 1,
-        "source": f"sampling.calibrate: {args.model}, {r['samples']} samples x {steps} steps "
+        "source": f"commands.calibrate: {args.model}, {r['samples']} samples x {steps} steps "
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
         **result,
     }

@@ -30,11 +30,9 @@ from modules.vae import (
     spec_for,
     to_vae_latents,
 )
-from vae_parallel.grid import PatchGridError
-
-from .cli import UsageError, as_int, as_number, command
-from .pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
-from .stage_io import (
+from sampling.cli import UsageError, as_int, as_number, command
+from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
+from sampling.stage_io import (
     CONFIG,
     LATENTS,
     VIDEO,
@@ -44,6 +42,7 @@ from .stage_io import (
     read_stage2,
     write_video,
 )
+from vae_parallel.grid import PatchGridError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # what an H.264 mp4 plays: ffmpeg refuses frame rates it cannot write as a 1/90000 time base,
