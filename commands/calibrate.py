@@ -32,8 +32,8 @@ from cache.validate import FieldError
 from modules import ops
 from modules.checkpoint import CheckpointError
 from modules.layers import ModelConfigError
-from sampling import budget
-from sampling.cli import UsageError, as_int, command
+from sampling import budget, progress
+from sampling.cli import CommandParser, UsageError, as_int, command
 from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from sampling.run import make_sample, sample_once
 from sampling.schedulers import SchedulerError
@@ -78,9 +78,6 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
     """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
     the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
     draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
-    from cache.flags import config_from_fields
-    from sampling.fidelity import fidelity
-
     backends = {}
     blocks = pipe.config.num_layers
 
@@ -97,15 +94,31 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
         ran = sum(blocks if r["action"] == "compute" else reuse for r in rows)
         return backend.get(traj.latents), ran / (blocks * len(rows))
 
-    refs = {seed: once(CMConfig(), seed, t)[0] for seed, t in tensors_by_seed.items()}
+    draws = len(tensors_by_seed)
+    with progress.bar(draws * (1 + len(space)), "calibrating (configuration x draw)",
+                      unit="run") as shown:
+        refs = {}
+        for seed, t in tensors_by_seed.items():
+            shown.set_postfix_str(f"uncached, seed {seed}", refresh=False)
+            refs[seed] = once(CMConfig(), seed, t)[0]
+            shown.update(1)
+        return _measure_each(space, tensors_by_seed, refs, once, shown, log)
+
+
+def _measure_each(space, tensors_by_seed, refs, once, shown, log):
+    from cache.flags import config_from_fields
+    from sampling.fidelity import fidelity
+
     out = []
     for label, fields in space:
         config = config_from_fields(fields)
         errors, fractions = [], []
         for seed, tensors in tensors_by_seed.items():
+            shown.set_postfix_str(f"{label}, seed {seed}", refresh=False)
             latents, fraction = once(config, seed, tensors)
             errors.append(float(fidelity(latents, refs[seed])["rel_l2"]))
             fractions.append(float(fraction))
+            shown.update(1)
         out.append({"label": label, "config": fields, "rel_l2": errors, "computed": fractions})
         if log is not None:
             log(f"  {label}: rel L2 {' '.join(f'{e:.2e}' for e in errors)}, computed "
@@ -145,20 +158,29 @@ def fit(pairs, degree: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m commands.calibrate",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES))
-    ap.add_argument("--model_path")
-    ap.add_argument("--samples", type=int, default=3, help="runs, each on its own seed")
-    ap.add_argument("--num_inference_steps", type=int, help="default: the model's")
-    ap.add_argument("--teacache_signal", choices=SIGNALS, default="modulated_input")
-    ap.add_argument("--degree", type=int, default=4)
-    ap.add_argument("--backend", choices=("jax", "torch"), default="torch")
-    ap.add_argument("--out", required=True, help="profile JSON to write")
-    ap.add_argument("--first_seed", type=int, default=0,
+    ap = CommandParser(prog="calibrate.py", description=__doc__.splitlines()[0],
+                       common={"model", "model_path", "samples", "out", "budget", "backend"})
+    g = ap.add_argument_group("inputs and model")
+    g.add_argument("--model", default=DEFAULT_PIPELINE, choices=tuple(PIPELINES),
+                   help="named pipeline")
+    g.add_argument("--model_path", help="checkpoint (default: the model's built-in or tiny random "
+                   "weights)")
+    g.add_argument("--samples", type=int, default=3, help="runs, each on its own seed")
+    g.add_argument("--num_inference_steps", type=int, help="default: the model's")
+    g = ap.add_argument_group("caching")
+    g.add_argument("--teacache_signal", choices=SIGNALS, default="modulated_input",
+                   help="what the TeaCache signature summarises")
+    g.add_argument("--degree", type=int, default=4, help="degree of the rescaling polynomial")
+    g = ap.add_argument_group("advanced")
+    g.add_argument("--backend", choices=("jax", "torch"), default="torch", help="where the "
+                   "samples run")
+    g = ap.add_argument_group("outputs and reports")
+    g.add_argument("--out", required=True, help="profile JSON to write")
+    g = ap.add_argument_group("caching")
+    g.add_argument("--first_seed", type=int, default=0,
                     help="the samples' seeds are first_seed, first_seed + 1, ... (keep them apart "
                          "from the seeds the budget will be used on)")
-    ap.add_argument("--budget", action="store_true",
+    g.add_argument("--budget", action="store_true",
                     help="also run every configuration budgeted mode chooses from on the samples "
                          "(final-latent error and computed fraction against uncached), for "
                          "--budget_profile with --budget_rel_err/--budget_speedup; needs "

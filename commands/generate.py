@@ -31,7 +31,7 @@ import warnings
 
 import numpy as np
 
-from sampling.cli import UsageError, as_int, command
+from sampling.cli import CommandParser, UsageError, as_int, command
 from sampling.pipelines import DEFAULT_PROMPT_PIPELINE
 from sampling.stage_io import (
     CONFIG,
@@ -52,11 +52,13 @@ MAX_PROMPTS = 10_000
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="generate.py",
+        common=stage1.COMMON | stage2.COMMON - {"input_dir"} | {"prompts", "vae_path", "fps"},
+        sections=stage2.SECTIONS | {"stage 3": "inputs and model"},
         description="Prompt(s) to mp4(s): stage 1 (encoders), stage 2 (the DiT with feature "
                     "caching), stage 3 (VAE decode) in one process.")
-    g = parser.add_argument_group("prompts")
+    g = parser.add_argument_group("inputs and model")
     g.add_argument("--prompt", help="the prompt")
     g.add_argument("--prompts", help="a file of prompts: one a line, or JSON lines with "
                    f"{', '.join(LINE_KEYS)}")
@@ -66,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "a tiny random VAE)")
     g.add_argument("--fps", type=float, help="frames per second (default: the model's)")
     stage2.add_arguments(parser)
-    parser.set_defaults(no_progress=True)
     return parser
 
 

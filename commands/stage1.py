@@ -18,17 +18,21 @@ import os
 
 import encoders
 from encoders import EncoderInputError, Request
-from sampling.cli import UsageError, as_int, command
+from sampling.cli import CommandParser, UsageError, as_int, command
 from sampling.pipelines import DEFAULT_PROMPT_PIPELINE, PIPELINES, get_pipeline
 from sampling.stage_io import CONFIG, EMBEDDINGS, StageFileError, check_writable, write_stage
 
 ERRORS = (UsageError, EncoderInputError, StageFileError)
 
 
+# the stage-1 flags --help shows (one screen); --help_all every flag
+COMMON = {"prompt", "negative_prompt", "image", "audio", "encoder_path", "model"}
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, sizes: bool = True) -> None:
     """The stage-1 flags (`sizes`: also --height/--width/--video_length/--num_clips/--model,
     which the prompt-to-video command takes from stage 2's flags)."""
-    g = parser.add_argument_group("stage 1 (prompt, image, audio)")
+    g = parser.add_argument_group("inputs and model")
     g.add_argument("--negative_prompt", help="default: the model's official negative prompt")
     g.add_argument("--image", help="first frame (image-to-video modes) or reference image (S2V)")
     g.add_argument("--audio", help="speech file (speech-to-video)")
@@ -36,8 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, sizes: bool = True) -> Non
                    "diffusers layout: Wan's models_t5_umt5-xxl-enc-bf16.pth + google/umt5-xxl/, "
                    "HunyuanVideo-1.5's text_encoder/ ...); default: the model's built-in or tiny "
                    "random encoders")
+    g = parser.add_argument_group("advanced")
     g.add_argument("--encoder_device", default="cpu", help="where the encoders run (default cpu)")
     if sizes:
+        g = parser.add_argument_group("inputs and model")
         g.add_argument("--model", default=None, help=f"named pipeline, one of {', '.join(PIPELINES)} "
                        f"(default {DEFAULT_PROMPT_PIPELINE})")
         g.add_argument("--height", type=int)
@@ -47,11 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, sizes: bool = True) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="stage1_encode.py",
+    parser = CommandParser(
+        prog="stage1_encode.py", common=COMMON | {"output_dir", "height", "width", "video_length"},
         description="Stage 1: encode a prompt (image, speech) into the stage files stage 2 reads.")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--output_dir", default="stage_outputs",
+    g = parser.add_argument_group("inputs and model")
+    g.add_argument("--prompt", required=True, help="what the video shows")
+    g = parser.add_argument_group("outputs and reports")
+    g.add_argument("--output_dir", default="stage_outputs",
                         help=f"where {EMBEDDINGS} and {CONFIG} go (default ./stage_outputs)")
     add_arguments(parser)
     return parser

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import torch
@@ -24,11 +23,11 @@ from modules import ops
 from modules.checkpoint import CheckpointError, cast_model, load_model, open_checkpoint
 from modules.layers import ModelConfigError
 from modules.registry import build_model
-from sampling import platforms
+from sampling import platforms, progress
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
 from sampling.budget import load as budget_load
-from sampling.cli import UsageError, as_int, as_number, command
+from sampling.cli import CommandParser, UsageError, as_int, as_number, command
 from sampling.clips import sample_clips
 from sampling.fidelity import fidelity
 from sampling.pipelines import (
@@ -161,18 +160,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "holding high_noise_model/ and low_noise_model/")
     g.add_argument("--dtype", choices=tuple(DTYPES), help="weights (default bf16 with --model_path, "
                    "else fp32)")
-    g.add_argument("--video_length", type=int, help="frames, 4k + 1")
-    g.add_argument("--height", type=int)
-    g.add_argument("--width", type=int)
-    g.add_argument("--num_inference_steps", type=int)
-    g.add_argument("--guidance_scale", help="CFG scale; 'low,high' for Wan2.2 I2V-A14B experts")
+    g.add_argument("--video_length", type=int, help="frames, 4k + 1 (default: the model's)")
+    g.add_argument("--height", type=int, help="pixels (default: the model's)")
+    g.add_argument("--width", type=int, help="pixels (default: the model's)")
+    g.add_argument("--num_inference_steps", type=int, help="denoising steps (default: the model's)")
+    g.add_argument("--guidance_scale", help="CFG scale, 'low,high' for Wan2.2 I2V-A14B's experts "
+                   "(default: the model's)")
     g.add_argument("--sample_solver", choices=SOLVERS)
     g.add_argument("--sample_shift", type=float)
     g.add_argument("--seed", type=int, help=f"noise (and synthetic inputs) seed (default: the "
                    f"input config's, else {DEFAULT_SEED})")
     g.add_argument("--num_clips", type=int, help="speech-to-video: clips to sample, each "
                    "--video_length frames (default: all the audio holds)")
-    g = parser.add_argument_group("backend")
+    g = parser.add_argument_group("backend and compile")
     g.add_argument("--backend", choices=("jax", "torch"), default="jax",
                    help="jax (torchax programs; TPU, GPU, CPU) or torch (CUDA, Ascend NPU, CPU)")
     g.add_argument("--device", help="torch backend: cuda, npu or cpu (default: the first present)")
@@ -189,6 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile_cache_dir", default=None,
                    help="persistent JAX compilation cache (default ~/.cache/dit-feature-cache/jax; "
                         "'none' turns it off)")
+    g = parser.add_argument_group("parallel")
     g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
                    help="sequence-parallel group size: devices (JAX) or processes (torchrun) "
                         "that split the tokens, Ulysses attention (default 1)")
@@ -216,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "is within it")
     g.add_argument("--budget_speedup", type=float, help="block-evaluation reduction to reach: the "
                    "configuration with the least error bound among those that reach it")
-    g = parser.add_argument_group("reporting")
+    g = parser.add_argument_group("outputs and reports")
     g.add_argument("--telemetry_json", help="write the summary and per-call decision trace here")
     g.add_argument("--telemetry_csv", help="write the per-call decision trace here as CSV")
     g.add_argument("--tensorboard_dir", help="write per-step signals, decisions and the rel "
@@ -228,8 +229,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
 
 
+# --help shows these (one screen); --help_all every flag
+COMMON = {"input_dir", "output_dir", "model", "model_path", "video_length", "height", "width",
+          "num_inference_steps", "guidance_scale", "seed", "enable_cache", "cache_type", "preset",
+          "budget_profile", "budget_rel_err", "sp_size", "cfg_parallel", "multihost",
+          "telemetry_json", "compare", "backend"}
+SECTIONS = {"stage files": "inputs and model",
+            "model and sampling (defaults: the model's, see --model)": "inputs and model",
+            "budgeted mode (a target instead of a technique and threshold)": "caching"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
+        common=COMMON, sections=SECTIONS,
         description="Stage 2 (the denoising loop) of a video DiT with feature caching, on JAX "
                     "through torchax.")
     add_arguments(parser)
@@ -579,20 +591,6 @@ def open_models(pipe, model_path, dtype) -> dict:
 
 # --- the run ------------------------------------------------------------------------------------
 
-def _progress(enabled):
-    """A one-line bar on a terminal: '#' a computed step, '.' a reused one."""
-    if not enabled or not sys.stderr.isatty():
-        return None
-    marks = []
-
-    def show(done, total, computed):
-        marks.append("#" if computed else ".")
-        bar = "".join(marks).ljust(total)
-        end = "\n" if done == total else ""
-        print(f"\r  [{bar}] {done}/{total}", end=end, file=sys.stderr, flush=True)
-    return show
-
-
 def _cache_metadata(config: CMConfig) -> dict:
     dc = config.deepcache
     out = {"cache_enabled": config.enabled, "cache_modes": list(config.modes),
@@ -700,9 +698,15 @@ def sample_and_write(args, r, backend, writer: bool, loaded: dict | None = None)
                              seed=r["seed"], guidance=r["guidance"],
                              fused_cfg=config.cfg_mode == "fused")
     began = time.perf_counter()
-    latents, traj, noise = _sample(backend, config, r, sample,
-                                   progress=_progress(writer and not args.no_progress),
-                                   warmup_rounds=args.warmup_steps)
+    # one bar over every step of every clip (speech-to-video samples its clips one by one)
+    bar = progress.steps(r["steps"] * (r["clips"] if sample is None else 1)) \
+        if writer and not args.no_progress else None
+    try:
+        latents, traj, noise = _sample(backend, config, r, sample, progress=bar,
+                                       warmup_rounds=args.warmup_steps)
+    finally:
+        if bar is not None:
+            bar.close()
     _check_finite(latents, r, args)
     report = _report(r, traj, backend, plan, args, time.perf_counter() - began)
     if args.compare:

@@ -30,7 +30,7 @@ from modules.vae import (
     spec_for,
     to_vae_latents,
 )
-from sampling.cli import UsageError, as_int, as_number, command
+from sampling.cli import CommandParser, UsageError, as_int, as_number, command
 from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
 from sampling.stage_io import (
     CONFIG,
@@ -51,31 +51,36 @@ MIN_FPS, MAX_FPS = 0.1, 1000.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
+        common={"input_dir", "output_dir", "model", "vae_path", "fps", "device", "patch_parallel"},
         description="Stage 3: decode stage-2 latents with the model's VAE into an mp4.")
-    parser.add_argument("--input_dir", default="stage_outputs",
+    g = parser.add_argument_group("inputs and model")
+    g.add_argument("--input_dir", default="stage_outputs",
                         help=f"the stage-2 folder ({LATENTS}, generation_config.json); default "
                              "./stage_outputs")
-    parser.add_argument("--output_dir", help=f"where {VIDEO} goes (default: --input_dir)")
-    parser.add_argument("--model", help="named pipeline (default: the config's `model`, or the "
+    g.add_argument("--output_dir", help=f"where {VIDEO} goes (default: --input_dir)")
+    g.add_argument("--model", help="named pipeline (default: the config's `model`, or the "
                         "HunyuanVideo port's `transformer_version`)")
-    parser.add_argument("--vae_path", help="diffusers VAE folder, or one .safetensors/.pth file "
+    g.add_argument("--vae_path", help="diffusers VAE folder, or one .safetensors/.pth file "
                         "(diffusers or official layout); default: a tiny random VAE of the "
                         "model's architecture (the video is then noise)")
-    parser.add_argument("--fps", type=float, help="frames per second (default: the config's "
+    g.add_argument("--fps", type=float, help="frames per second (default: the config's "
                         "`fps`, else 16 for Wan2.2 I2V-A14B and 24 for the others)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="VAE weights and "
+    g = parser.add_argument_group("advanced")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="VAE weights and "
                         "compute (default fp32)")
-    parser.add_argument("--device", help="cpu, cuda or npu (default: cuda if present, else cpu; "
+    g.add_argument("--device", help="cpu, cuda or npu (default: cuda if present, else cpu; "
                         "with torchrun, the local rank's device)")
-    parser.add_argument("--patch_parallel", action="store_true",
+    g = parser.add_argument_group("parallel")
+    g.add_argument("--patch_parallel", action="store_true",
                         help="split the frame over the torchrun ranks (WORLD_SIZE > 1): halo "
                              "exchange, gathered attention K/V, two-stage gather")
-    parser.add_argument("--grid", help="patch grid ROWSxCOLS for --patch_parallel (default: the "
+    g.add_argument("--grid", help="patch grid ROWSxCOLS for --patch_parallel (default: the "
                         "least halo for the frame)")
-    parser.add_argument("--tiled", action="store_true",
+    g = parser.add_argument_group("advanced")
+    g.add_argument("--tiled", action="store_true",
                         help="diffusers' tiled decode (less memory on one device, small seams)")
-    parser.add_argument("--tile_size", type=int, help="tile size in pixels for --tiled "
+    g.add_argument("--tile_size", type=int, help="tile size in pixels for --tiled "
                         "(default: diffusers' 256)")
     return parser
 

@@ -4,12 +4,17 @@ that speaks for the run. Plus the checks of numeric flags the commands share."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
+import re
+import shutil
 import sys
 import time
 from typing import Callable
 
+from . import progress
 from .interrupt import Interrupted, handled
 
 
@@ -44,6 +49,12 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
     def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)
+        progress.configure(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", 0))
+        summary_json = getattr(args, "summary_json", None)
+        if summary_json is not None and not os.path.isdir(os.path.dirname(summary_json) or "."):
+            print(f"{parser.prog}: error: --summary_json {summary_json}: its folder does not exist; "
+                  "expected a file in an existing folder", file=sys.stderr)
+            return 2
         with handled():
             try:
                 report = run(args)
@@ -68,8 +79,140 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
                 return 128 + signum
         if speaks(report):
             print(format_summary(report))
+            if summary_json is not None:
+                write_summary_json(summary_json, report)
         return 0
     return main
+
+
+def write_summary_json(path: str, report: dict) -> None:
+    """The report as JSON (numbers and strings; anything else by its str), written whole or not
+    at all."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=2, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+# --- help: the common flags one screen, one line each; --help_all for the rest -------------------
+
+SECTIONS = ("inputs and model", "caching", "parallel", "outputs and reports", "advanced")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """`--help`: the flags of the common path (`common`, by dest), one line each with its
+    default, under five sections; `--help_all`: every flag with its full description, in the
+    command's own groups. `sections` maps a group title to its section (titles that are
+    sections, or start with "caching", map themselves; the rest is "advanced"). Every command
+    also takes --quiet/-q, --verbose/-v and --summary_json."""
+
+    def __init__(self, *args, common=(), sections=None, **kwargs):
+        kwargs.setdefault("usage", "%(prog)s [flags]   (--help: the common ones, --help_all: all)")
+        super().__init__(*args, **kwargs)
+        self.common = set(common)
+        self.sections = dict(sections or {})
+        g = self.add_argument_group("outputs and reports")
+        g.add_argument("--help_all", action=_HelpAll, nargs=0,
+                       help="every flag, with its full description")
+        g.add_argument("-q", "--quiet", action="store_true",
+                       help="no progress bars, errors only on stderr")
+        g.add_argument("-v", "--verbose", action="count", default=0,
+                       help="more diagnostics on stderr (-vv: debug)")
+        g.add_argument("--summary_json", help="also write the run's summary here as JSON")
+        self.common |= {"help", "quiet", "summary_json"}
+
+    def add_argument_group(self, title=None, description=None, **kwargs):
+        for group in self._action_groups:  # one group a title, whoever adds to it
+            if title is not None and group.title == title:
+                return group
+        return super().add_argument_group(title, description, **kwargs)
+
+    def section_of(self, title: str | None) -> str:
+        if title in SECTIONS:
+            return title
+        if title in ("options", "optional arguments"):  # -h/--help
+            return "outputs and reports"
+        if title and title.startswith("caching"):
+            return "caching"
+        return self.sections.get(title, "advanced")
+
+    def format_help(self) -> str:
+        width = min(shutil.get_terminal_size((100, 24)).columns, 120)
+        by_section: dict[str, list[str]] = {s: [] for s in SECTIONS}
+        hidden = 0
+        for group in self._action_groups:
+            for action in group._group_actions:
+                if action.help == argparse.SUPPRESS:
+                    continue
+                if action.dest not in self.common and action.option_strings:
+                    hidden += 1
+                    continue
+                by_section[self.section_of(group.title)].append(_one_line(action, width))
+        lines = [self.format_usage().rstrip(), "", self.description or ""]
+        for section, rows in by_section.items():
+            if rows:
+                lines += ["", f"{section}:", *rows]
+        if hidden:
+            lines += ["", f"{hidden} more flags (caching details, backend, telemetry ...): --help_all"]
+        return "\n".join(lines) + "\n"
+
+    def format_help_all(self) -> str:
+        return super().format_help()
+
+
+class _HelpAll(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message(parser.format_help_all(), sys.stdout)
+        parser.exit()
+
+
+_DEFAULT = re.compile(r"\s*[(;,]?\s*\(?default:? ([^()]*(?:\([^()]*\)[^()]*)*)\)?")
+
+
+def _metavar(action: argparse.Action) -> str:
+    if action.choices is not None:
+        return "CHOICE"
+    if action.type is int:
+        return "N"
+    if action.type is float:
+        return "X"
+    if re.search(r"dir|path|json|csv|png|profile|out|file|prompts", action.dest):
+        return "PATH"
+    return "VALUE"
+
+
+def _first_clause(text: str) -> str:
+    """The text up to its first '; ' or ': ' outside parentheses."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ";:" and text[i + 1: i + 2] == " ":
+            return text[:i].rstrip(" .,")
+    return text.rstrip(" .;,")
+
+
+def _one_line(action: argparse.Action, width: int) -> str:
+    """'  --flag VALUE   what it is (default X)', cut to the terminal's width."""
+    flags = ", ".join(action.option_strings) or action.dest
+    if action.nargs != 0 and action.option_strings:
+        if action.choices is not None and len(",".join(map(str, action.choices))) <= 40:
+            flags += " {" + ",".join(map(str, action.choices)) + "}"
+        else:
+            flags += " " + (action.metavar or _metavar(action))
+    text = " ".join((action.help or "").split())
+    default = None
+    found = _DEFAULT.search(text)
+    if found:
+        default = found.group(1).strip().rstrip(")")
+        text = (text[: found.start()] + text[found.end():]).strip()
+    elif action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0:
+        default = str(action.default)
+    text = _first_clause(text)
+    if default:
+        text = f"{text} (default {default})" if text else f"(default {default})"
+    row = f"  {flags:<30} {text}" if len(flags) <= 30 else f"  {flags} {text}"
+    return row if len(row) <= width else row[: width - 1] + "…"
 
 
 # --- numeric flags -------------------------------------------------------------------------------

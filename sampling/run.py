@@ -10,6 +10,7 @@ import torch
 
 from cache import CacheManager, CMConfig
 
+from . import progress
 from .loop import Backend, Combination, LoopStats, Sample, check_cond_updates, denoise, folding
 from .pipelines import Pipeline
 from .schedulers import make_scheduler
@@ -58,7 +59,13 @@ def make_sample(backend: Backend, pipe: Pipeline, tensors: dict, latent_shape, *
 def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> None:
     """Run every program the loop can use once, on the real shapes, outside the timed loop:
     probe, middle, tail, the residual add/sub, the signal read, the CFG combination, every
-    scheduler combination (a dry pass over the whole schedule) and the frame write-back."""
+    scheduler combination (a dry pass over the whole schedule) and the frame write-back.
+    A counting bar shows it (the backend ticks it per program call; the first calls compile)."""
+    with progress.phase("warm-up (compiling programs)"):
+        _warm_up(backend, plan, scheduler, sample)
+
+
+def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> None:
     pipe = sample.pipeline
     t = backend.put(pipe.timestep_input(scheduler.timesteps[0], sample.latent_shape, sample.image))
     conds = dict(next(iter(sample.conds.values())))  # what the programs were built for

@@ -19,6 +19,7 @@ import torch
 
 from compat.torchax_compat import import_torchax
 from modules import ops
+from sampling import progress
 from sampling.stages import SignalPlan, reference_shape, stages_for
 from sharding import layout
 from sharding.layout import Layout
@@ -216,6 +217,7 @@ class JaxBackend:
     def _call(self, name: str, program, *args):
         """Run one jitted program (a stage or a helper): the one place the loop's device work
         starts, so an ahead-of-time backend (`tpu.aot`) can compile instead of run."""
+        progress.tick(name)  # the warm-up's bar, if one is shown (a None check otherwise)
         return program(*args)
 
     # --- programs ------------------------------------------------------------------------

@@ -26,6 +26,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from sampling import progress
+
 ReadRows = Callable[[str, int | None, int | None], torch.Tensor]
 
 # torch dtypes numpy has no type of its own for: the same bits through ml_dtypes
@@ -98,8 +100,11 @@ def place_all(specs: dict[str, WeightSpec], read: ReadRows,
               threads: int | None = None) -> dict[str, jax.Array]:
     """Every weight of `specs` placed (see `place`) on a pool of `threads` readers; returns
     once every transfer is done (the host buffers are free then)."""
-    with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="load") as pool:
+    with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="load") as pool, \
+            progress.bar(len(specs), "loading weights", unit="tensor") as shown:
         futures = {name: pool.submit(place, name, spec, read) for name, spec in specs.items()}
+        for f in futures.values():
+            f.add_done_callback(lambda _: shown.update(1))
         try:
             return jax.block_until_ready({name: f.result() for name, f in futures.items()})
         except BaseException:
