@@ -29,7 +29,7 @@ INTERNAL = re.compile(r"\.\./shared|DESIGN\.md|\bissues? #?\d+|\bseed's\b|\bseed
 
 # command words of other tools, not checked (their -r requirement files are)
 EXTERNAL = {"pip", "pip3", "uv", "gcloud", "export", "cd", ".", "source", "curl", "sh", "bash",
-            "git"}
+            "git", "printf", "echo", "mkdir", "ls"}
 SEPARATORS = {"&&", "||", ";", "|", "&"}
 
 
