@@ -63,8 +63,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         return f"(default {_default(cls, name)})"
 
     g = parser.add_argument_group("caching: technique selection")
-    g.add_argument("--preset", choices=PRESETS, help="a named starting point; explicit "
-                   "flags override its fields")
+    g.add_argument("--preset", choices=PRESETS, help="a named starting point (cache/presets/*.json); "
+                   "explicit flags override its fields")
     g.add_argument("--enable_cache", action="store_true",
                    help="enable caching with --cache_type")
     g.add_argument("--cache_type", choices=CACHE_TYPES, default=None,

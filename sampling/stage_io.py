@@ -264,7 +264,8 @@ def _roll_forward(directory: str) -> None:
     def checked(tmp, final, name):
         # only ever a temporary file of ours onto its final name, beside it
         tmp, final = (os.path.join(directory, p) for p in (tmp, final))
-        if os.path.dirname(tmp) != os.path.dirname(final if name is None else final + os.sep) \
+        beside = os.path.abspath(os.path.dirname(final if name is None else final + os.sep))
+        if os.path.abspath(os.path.dirname(tmp)) != beside \
                 or not os.path.basename(tmp).startswith(_prefix(name or os.path.basename(final))):
             raise StageFileError(f"{journal} names the rename {tmp!r} -> {final!r}; expected "
                                  "a temporary file of a stage write beside its final name")

@@ -23,7 +23,7 @@ def cli(*args, cwd=ROOT):
 
 
 def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path):
-    """The README's stage-2 command on the built-in tiny HunyuanVideo-1.5, in a fresh folder."""
+    """The docs' stage-2 command (docs/stages.md) on the built-in tiny HunyuanVideo-1.5, in a fresh folder."""
     out = cli("--enable_cache", "--compare", "--telemetry_json", "t.json",
               "--compile_cache_dir", str(tmp_path / "jax-cache"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr

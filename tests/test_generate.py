@@ -89,6 +89,18 @@ def test_three_prompts_compile_the_stage2_programs_once(tmp_path):
         assert report["compare"]["speedup"] > 0
 
 
+def test_compare_into_a_relative_output_dir(tmp_path, monkeypatch):
+    """--compare with a relative --output_dir, as a user types it: the stage folder's journal
+    names the report folder in full and the stage folder relatively; both are one place."""
+    monkeypatch.chdir(tmp_path)
+    args = generate_cmd.build_parser().parse_args(
+        ["--prompt", README_PROMPT, "--enable_cache", "--compare", "--output_dir", "videos"])
+    generate_cmd.run(args)
+    for name in (VIDEO, generate_cmd.UNCACHED_VIDEO, generate_cmd.STRIP):
+        assert (tmp_path / "videos" / name).is_file(), name
+    assert not [p.name for p in (tmp_path / "videos").iterdir() if p.name.startswith(".")]
+
+
 def test_stage1_writes_what_stage2_reads(tmp_path):
     assert stage1_encode.main(["--prompt", "A blue square moves up on white.",
                                "--output_dir", str(tmp_path)]) == 0

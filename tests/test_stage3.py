@@ -64,7 +64,7 @@ def snapshot(path):
 
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
-    """The README's stage 2 on the tiny default, then stage 3, as the user runs them."""
+    """The stage-3 guide's first command (docs/stage3.md): stage 2 on the tiny default, then stage 3."""
     work = tmp_path_factory.mktemp("e2e")
     out = run_script("stage2_transformer_flax_deepcache.py", "--enable_cache", "--output_dir",
                      str(work / "D"), cwd=work)

@@ -1,6 +1,6 @@
 """Wan2.2 S2V: each new part on a hand-worked small case, the staged API, the real-size model on
 the meta device, and its checkpoints. (The tiny model was also compared with the official
-WanModel_S2V on CPU, outside the repo: README, "Wan2.2 S2V".)"""
+WanModel_S2V on CPU, outside the repo: docs/s2v.md.)"""
 
 from __future__ import annotations
 
@@ -286,7 +286,7 @@ def test_traces_under_torchax():
 
 def test_real_size_on_meta_has_the_official_parameter_count():
     # 16,295,755,609 parameters in 1260 tensors: WanModel_S2V(**wan_s2v_14B) built on the meta
-    # device from the official code (README, "Wan2.2 S2V"); 1095 of the keys are the A14B DiT's
+    # device from the official code (docs/s2v.md); 1095 of the keys are the A14B DiT's
     model = build_model("wan2.2-s2v-14b", meta=True)
     state = model.state_dict()
     assert len(state) == 1260
