@@ -185,11 +185,11 @@ def collectives(hlo: str) -> dict[str, dict]:
     An async pair counts once, at its -start; its result tuple holds operand and result, and
     the result is the larger. One inside a loop counts once per iteration."""
     out: dict[str, dict] = {}
-    comps, _ = computations(hlo)
-    mult = multipliers(hlo)
-    for name, lines in comps.items():
-        for line in lines:
-            _count_collective(out, line, mult.get(name, 1))
+    mult, current = multipliers(hlo), None
+    for line in hlo.splitlines():  # lines outside a computation (a fragment) count once
+        header = _HEADER.match(line)
+        current = header.group(2) if header else None if line.startswith("}") else current
+        _count_collective(out, line, mult.get(current, 1))
     return out
 
 
