@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "tpu_aot"
+BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a scan
 GiB = 2**30
 
 # (row name, command arguments): every named real-size pipeline at its default size and default
@@ -72,6 +73,17 @@ def run_row(name: str, args: str, rerun: bool) -> dict:
     return json.loads(path.read_text())
 
 
+def _compile_cell(name: str, r: dict) -> str:
+    """Compile seconds (middle program's in brackets), after the report compiled with the
+    middle's blocks unrolled (before issue 24's scan, kept under unrolled/) where there is one."""
+    def fmt(rep):
+        return f"{rep['compile_seconds']:.0f} ({rep['programs']['middle']['compile_seconds']:.0f})"
+    before = BEFORE / f"{name}.json"
+    if not before.exists():
+        return fmt(r)
+    return f"{fmt(json.loads(before.read_text()))} -> {fmt(r)}"
+
+
 def row_line(name: str, args: str, r: dict) -> str:
     m, s, sch = r["memory"], r["seconds"], r["schedule"]
     chip = r["chip"]
@@ -82,7 +94,7 @@ def row_line(name: str, args: str, r: dict) -> str:
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
     return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB) "
             f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} | {m['total'] / GiB:.1f} "
-            f"({m['weights'] / GiB:.1f} weights) | {r['compile_seconds']:.0f} | {flops_step:.0f} "
+            f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {flops_step:.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
             f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) |")
 
@@ -108,7 +120,15 @@ def main():
         "bf16, bytes / HBM bandwidth, received collective bytes / half the bidirectional ICI",
         "bandwidth). Real steps run slower than the roofline by the kernels' efficiency.",
         "",
-        "| pipeline | slice (chip HBM) | sp | weights | fits (GiB left) | GiB per chip | compile s "
+        "Compile s: the whole run's programs, the middle program's in brackets. `a -> b`: a with the",
+        "middle stage's blocks unrolled (the reports kept under `tpu_aot/unrolled/`; `python -m",
+        "tpu.aot ... --unrolled` compiles that way), b with each run of identical blocks as one",
+        "`jax.lax.scan` (tpu/scan.py, the default). Costs of a loop count its body once per",
+        "iteration. Compile seconds depend on what else this shared machine runs: compare a row's",
+        "middle with its tail, which the scan does not change (hy15-720p-v6e8: tail 156 s before,",
+        "352 s after, under a load average of about 8 on 2 cores).",
+        "",
+        "| pipeline | slice (chip HBM) | sp | weights | fits (GiB left) | GiB per chip | compile s (middle) "
         "| TFLOP/step/chip | roofline s/step, off | computed steps | roofline s/step, cached |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -19,6 +19,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -55,6 +56,12 @@ def old_placement(backend, model):
             array = env.t2j_copy(p.detach())
             sharding = backend._weight_sharding(name, tuple(p.shape))
             out[f"model.{name}"] = array if sharding is None else jax.device_put(array, sharding)
+        # a scanned run's weights are placed stacked (tpu/scan.py): the old ones, stacked
+        _, stacks = backend._weight_specs(model)
+        for key, members in stacks.items():
+            sharding = backend._stacked_sharding(members[0], tuple(model.get_parameter(members[0]).shape))
+            out[f"model.{key}"] = jax.device_put(
+                jnp.stack([out.pop(f"model.{m}") for m in members]), sharding)
     return out
 
 

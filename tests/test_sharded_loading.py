@@ -44,7 +44,8 @@ def test_on_8_devices_the_weights_and_latents_equal_the_old_path_bit_for_bit(fac
     assert {c["weights"] for c in cases} == {"fsdp", "replicated"}
     for case in cases:
         assert case["meta_models"], case  # the backend got no host copy of any weight
-        assert case["weights_differ"] == [] and case["weights_compared"] > 100, case
+        # > 50: a scanned run counts each of its stacked weights once (tpu/scan.py)
+        assert case["weights_differ"] == [] and case["weights_compared"] > 50, case
         assert (case["split"] > 0) == (case["weights"] == "fsdp"), case
         # one process holding every device reads every byte once: never a row twice
         assert case["bytes_read"] == case["checkpoint_bytes"], case

@@ -182,28 +182,130 @@ def _array_bytes(text: str) -> list[int]:
 def collectives(hlo: str) -> dict[str, dict]:
     """kind -> {count, bytes (result, per chip), received (bytes a chip takes in over ICI)}.
     An async pair counts once, at its -start; its result tuple holds operand and result, and
-    the result is the larger."""
+    the result is the larger. One inside a loop counts once per iteration."""
     out: dict[str, dict] = {}
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.search(line)
-        if not m:
-            continue
-        result, kind, start, rest = m.groups()
-        sizes = _array_bytes(result)
-        if not sizes:
-            continue
-        size = max(sizes) if start else sum(sizes)
-        group = _group_size(rest)
-        received = {"all-gather": size * (group - 1) / group,
-                    "all-to-all": size * (group - 1) / group,
-                    "all-reduce": 2 * size * (group - 1) / group,  # reduce-scatter + all-gather
-                    "reduce-scatter": size * (group - 1),
-                    "collective-permute": size}[kind]
-        entry = out.setdefault(kind, {"count": 0, "bytes": 0, "received": 0.0})
-        entry["count"] += 1
-        entry["bytes"] += size
-        entry["received"] += received
+    mult, current = multipliers(hlo), None
+    for line in hlo.splitlines():  # lines outside a computation (a fragment) count once
+        header = _HEADER.match(line)
+        current = header.group(2) if header else None if line.startswith("}") else current
+        _count_collective(out, line, mult.get(current, 1))
     return out
+
+
+def _count_collective(out: dict, line: str, times: int) -> None:
+    m = _COLLECTIVE.search(line)
+    if not m:
+        return
+    result, kind, start, rest = m.groups()
+    sizes = _array_bytes(result)
+    if not sizes:
+        return
+    size = max(sizes) if start else sum(sizes)
+    group = _group_size(rest)
+    received = {"all-gather": size * (group - 1) / group,
+                "all-to-all": size * (group - 1) / group,
+                "all-reduce": 2 * size * (group - 1) / group,  # reduce-scatter + all-gather
+                "reduce-scatter": size * (group - 1),
+                "collective-permute": size}[kind]
+    entry = out.setdefault(kind, {"count": 0, "bytes": 0, "received": 0.0})
+    entry["count"] += times
+    entry["bytes"] += times * size
+    entry["received"] += times * received
+
+
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_REF = re.compile(r"%([\w.\-]+)")
+
+
+def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
+    """name -> its lines, and the entry's name, of an HLO module's text."""
+    comps, entry, current = {}, None, None
+    for line in hlo.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            entry = current if m.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _trip_count(line: str, condition: list[str]) -> int | None:
+    """Iterations of a while: XLA's known trip count, else the one constant its condition
+    compares the counter against (a scan's `i < n`, counting from 0)."""
+    m = _TRIP.search(line)
+    if m:
+        return int(m.group(1))
+    if sum("direction=LT" in c for c in condition) != 1:
+        return None
+    found = [int(x) for c in condition for x in re.findall(r"s32\[\][^=]*constant\((\d+)\)", c)]
+    return found[0] if len(found) == 1 else None
+
+
+def loops(hlo: str) -> dict[str, list[tuple[str, int]]]:
+    """computation -> [(while body, trip count)] of the whiles it runs (trip count unknown: 1,
+    the analysis's own assumption)."""
+    comps, _ = computations(hlo)
+    out = {}
+    for name, lines in comps.items():
+        for line in lines:
+            m = _WHILE.search(line)
+            if m:
+                trips = _trip_count(line, comps.get(m.group(1), []))
+                out.setdefault(name, []).append((m.group(2), trips or 1))
+    return out
+
+
+def multipliers(hlo: str) -> dict[str, int]:
+    """Times each computation runs per call of the program: a while body its trip count times
+    its caller's, anything else a computation calls as often as its caller."""
+    comps, entry = computations(hlo)
+    bodies = {(c, b): n for c, ws in loops(hlo).items() for b, n in ws}
+    mult = {entry: 1} if entry else {}
+    order = [entry] if entry else []
+    for name in order:  # callers before callees: HLO computations form a DAG
+        for line in comps[name]:
+            for ref in set(_REF.findall(line)):
+                if ref in comps and ref != name:
+                    times = mult[name] * bodies.get((name, ref), 1)
+                    if times > mult.get(ref, 0):
+                        mult[ref] = times
+                        order.append(ref)
+    return mult
+
+
+def loop_costs(hlo: str) -> tuple[float, float]:
+    """(flops, bytes accessed) that XLA's cost analysis leaves out of a program with loops: it
+    counts a while body once, so each body's cost (analysed as the entry of a copy of the
+    module, by the CPU client: shape-based, so the same flops) times its trip count - 1."""
+    found = loops(hlo)
+    if not found:
+        return 0.0, 0.0
+    from jax._src.lib import _jax
+    from jaxlib import _hlo
+    client = jax.devices("cpu")[0].client
+    plain = re.sub(r"^ENTRY ", "", hlo, flags=re.M)
+
+    def cost(body):  # the body's own cost, nested loops included
+        text = re.sub(rf"^(%?{re.escape(body)} )", r"ENTRY \1", plain, count=1, flags=re.M)
+        c = _jax.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(text))
+        flops, accessed = float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))
+        for inner, n in found.get(body, ()):
+            f, b = cost(inner)
+            flops, accessed = flops + (n - 1) * f, accessed + (n - 1) * b
+        return flops, accessed
+
+    _, entry = computations(hlo)
+    flops = accessed = 0.0
+    for body, n in found.get(entry, ()):
+        f, b = cost(body)
+        flops, accessed = flops + (n - 1) * f, accessed + (n - 1) * b
+    return flops, accessed
 
 
 def _group_size(attributes: str) -> int:
@@ -280,7 +382,8 @@ class AotBackend(JaxBackend):
     once per abstract signature, records what the compiler says, and returns abstract outputs."""
 
     def __init__(self, models: dict, plan: SignalPlan, *, devices, mesh=None,
-                 weights: str | None = None, attention_impl: str = "splash"):
+                 weights: str | None = None, attention_impl: str = "splash",
+                 scan_blocks: bool = True):
         self._device = devices[0]
         self._persistent: set[int] = set()  # ids of weights and inputs (not computed per call)
         self.records: dict[tuple, Program] = {}
@@ -288,7 +391,8 @@ class AotBackend(JaxBackend):
         self.calls: dict[str, int] = {}
         self.input_bytes = 0
         self.expert_bytes: dict = {}
-        super().__init__(models, plan, attention_impl=attention_impl, mesh=mesh, weights=weights)
+        super().__init__(models, plan, attention_impl=attention_impl, mesh=mesh, weights=weights,
+                         scan_blocks=scan_blocks)
         self.expert_bytes = {e: chip_bytes(p) for e, p in self.params.items()}
         self._weight_ids = {id(w) for p in self.params.values() for w in p.values()}
 
@@ -301,9 +405,9 @@ class AotBackend(JaxBackend):
         return x
 
     def _weights(self, model, checkpoint=None):
-        return {f"model.{name}": self._abstract(p.shape, jax_dtype(p.dtype),
-                                                self._weight_sharding(name, tuple(p.shape)))
-                for name, p in model.named_parameters()}
+        specs, _ = self._weight_specs(model)
+        return {f"model.{name}": self._abstract(s.shape, jax_dtype(s.dtype), s.sharding)
+                for name, s in specs.items()}
 
     def put(self, tensor: torch.Tensor):
         x = self._abstract(tensor.shape, jax_dtype(tensor.dtype), self._placement)
@@ -337,12 +441,15 @@ class AotBackend(JaxBackend):
             cost = cost[0]
         weights = sum(chip_bytes(a) for a in leaves if id(a) in self._weight_ids)
         computed = sum(chip_bytes(a) for a in leaves if id(a) not in self._persistent)
-        kernel_flops = sum(k.flops for k in kernels)
+        kernel_flops = sum(k.flops for k in kernels)  # scaled by loop trips when traced
+        hlo = compiled.as_text()
+        loop_flops, loop_bytes = loop_costs(hlo)
         return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                        memory.temp_size_in_bytes, weights, computed,
-                       float(cost.get("flops", 0.0)) + kernel_flops,
-                       float(cost.get("bytes accessed", 0.0)) + sum(k.extra_bytes for k in kernels),
-                       kernel_flops, collectives(compiled.as_text()))
+                       float(cost.get("flops", 0.0)) + loop_flops + kernel_flops,
+                       float(cost.get("bytes accessed", 0.0)) + loop_bytes
+                       + sum(k.extra_bytes for k in kernels),
+                       kernel_flops, collectives(hlo))
 
     # Nothing is read back: the gate sees zero signals, which is all warm-up needs.
     def read_signals(self, signals):
@@ -501,6 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--computed_fraction", type=float,
                    help="adaptive caching (TeaCache/FBCache): the share of steps assumed computed, "
                         "for the run estimate")
+    p.add_argument("--unrolled", action="store_true", help="compile the middle stage's blocks "
+                   "unrolled, not as a loop over each run of identical blocks (slower to compile)")
     p.add_argument("--json", help="also write the report here")
     add_cache_arguments(p)
     return p
@@ -590,7 +699,7 @@ def run(args) -> dict:
     began = time.perf_counter()
     weights = "replicated" if args.swap_experts else args.weight_sharding
     backend = AotBackend(models, plan, devices=devices, mesh=mesh, weights=weights,
-                         attention_impl=args.attention)
+                         attention_impl=args.attention, scan_blocks=not args.unrolled)
     tensors = pipe.synthesize(latent_shape, cfg_on, image, 0)
     sample = make_sample(backend, pipe, tensors, latent_shape, image=image, seed=0,
                          guidance=guidance, fused_cfg=fused)
@@ -611,6 +720,7 @@ def run(args) -> dict:
         "model": pipe.name, "topology": args.topology, "chip": dataclasses.asdict(chip),
         "chips": len(devices), "sp": sp, "cfg": cfg, "weight_sharding": backend.weight_sharding,
         "swap_experts": args.swap_experts, "attention": args.attention, "dtype": args.dtype,
+        "scanned_runs": [[r.start, r.stop] for r in backend.runs],
         "size": list(size), "latent_shape": list(latent_shape), "tokens": pipe.tokens(latent_shape),
         "steps": steps, "solver": solver, "cache": {"modes": list(config.modes),
                                                     "probe_blocks": plan.fn_blocks,

@@ -180,6 +180,7 @@ class KernelCost(NamedTuple):
 
 
 _KERNEL_COSTS: list[KernelCost] | None = None
+_REPEATS = 1  # times a kernel traced now runs per call (inside a scanned loop body: its length)
 
 
 @contextmanager
@@ -194,12 +195,24 @@ def kernel_costs() -> Iterator[list[KernelCost]]:
         _KERNEL_COSTS = before
 
 
+@contextmanager
+def repeated(times: int) -> Iterator[None]:
+    """Kernels traced inside run `times` times per call (a loop body traced once)."""
+    global _REPEATS
+    before, _REPEATS = _REPEATS, _REPEATS * times
+    try:
+        yield
+    finally:
+        _REPEATS = before
+
+
 def _record_kernel(q_BLNH, k_BSNH, plan: SplashPlan) -> None:
     batch, _, heads, head_dim = q_BLNH.shape
     lp, sp = plan.padded_q_len, plan.padded_kv_len
     rereads = (lp // plan.block_q - 1) * 2 * sp * head_dim * heads * batch * q_BLNH.dtype.itemsize
-    _KERNEL_COSTS.append(KernelCost(4.0 * batch * heads * lp * sp * head_dim,
-                                    float(batch * heads * lp * sp), float(rereads)))
+    _KERNEL_COSTS.append(KernelCost(_REPEATS * 4.0 * batch * heads * lp * sp * head_dim,
+                                    _REPEATS * float(batch * heads * lp * sp),
+                                    _REPEATS * float(rereads)))
 
 
 def splash_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.Tensor,

@@ -20,11 +20,11 @@ import torch
 from compat.torchax_compat import import_torchax
 from modules import ops
 from sampling import progress
-from sampling.stages import SignalPlan, reference_shape, stages_for
+from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape, run_block, stages_for
 from sharding import layout
 from sharding.layout import Layout
 
-from . import attention, loading
+from . import attention, loading, scan
 from .compile import compile_counts
 
 
@@ -142,10 +142,13 @@ class JaxBackend:
     model then only gives names, shapes and dtypes: it may live on the meta device); each
     process reads only the rows its own devices hold (`tpu.loading`). Experts without one are
     placed from their model's host tensors the same way.
+    scan_blocks: the middle stage runs each run of identical blocks as one `jax.lax.scan` over
+    their weights, stacked at placement (`tpu.scan`): one block to compile per run, not all.
     """
 
     def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None,
-                 mesh=None, weights: str | None = None, checkpoints: dict | None = None):
+                 mesh=None, weights: str | None = None, checkpoints: dict | None = None,
+                 scan_blocks: bool = True):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         attention.install()
@@ -172,6 +175,14 @@ class JaxBackend:
         if plan.fn_blocks + plan.bn_blocks > blocks:
             raise ValueError(f"probe blocks ({plan.fn_blocks}) + tail blocks ({plan.bn_blocks}) "
                              f"exceed the model's {blocks} blocks")
+        # the middle window's blocks, as runs (scanned) and single blocks (unrolled)
+        # (a block another stage also reads, e.g. block 0 for TeaCache's signature, keeps its
+        # own weights and runs unrolled)
+        shared = Probe(self.template, plan, (), {}).blocks_used() | \
+            Tail(self.template, plan, (1, 1, 1)).blocks_used()
+        self.middle_blocks = scan.block_runs(self.template, plan.fn_blocks, blocks - plan.bn_blocks,
+                                             unrolled=frozenset(shared)) if scan_blocks else None
+        self.runs = [r for r in self.middle_blocks or () if isinstance(r, scan.Run)]
         checkpoints = checkpoints or {}
         began = time.perf_counter()
         self.params = {expert: self._weights(model, checkpoints.get(expert))
@@ -185,16 +196,43 @@ class JaxBackend:
         """Where inputs go without a mesh: None, jax's default device."""
         return None
 
-    def _weights(self, model, checkpoint=None):
-        """One expert's weights on the devices, by parameter name: read from `checkpoint`, or
-        from the model's own host tensors."""
+    def _weight_specs(self, model):
+        """(key -> WeightSpec, stacked key -> its members): every parameter by name, except those
+        of a scanned run, which come stacked per run (`scan.Run.stacked`)."""
         params = dict(model.named_parameters())
-        specs = {name: loading.WeightSpec(tuple(p.shape), p.dtype,
-                                          self._weight_sharding(name, tuple(p.shape)))
-                 for name, p in params.items()}
-        read = checkpoint.read if checkpoint is not None else loading.host_rows(params)
-        placed = loading.place_all(specs, read)
-        return {f"model.{name}": placed[name] for name in params}
+        specs, stacks = {}, {}
+        for run in self.runs:
+            for k, name in enumerate(run.names[0]):
+                members = tuple(names[k] for names in run.names)
+                p = params[name]
+                specs[run.stacked(k)] = loading.WeightSpec(
+                    (len(members), *p.shape), p.dtype, self._stacked_sharding(name, tuple(p.shape)))
+                stacks[run.stacked(k)] = members
+        in_runs = {n for members in stacks.values() for n in members}
+        for name, p in params.items():
+            if name not in in_runs:
+                specs[name] = loading.WeightSpec(tuple(p.shape), p.dtype,
+                                                 self._weight_sharding(name, tuple(p.shape)))
+        return specs, stacks
+
+    def _weights(self, model, checkpoint=None):
+        """One expert's weights on the devices, by parameter name (a scanned run's stacked, by
+        `scan.Run.stacked`): read from `checkpoint`, or from the model's own host tensors."""
+        specs, stacks = self._weight_specs(model)
+        read = checkpoint.read if checkpoint is not None else \
+            loading.host_rows(dict(model.named_parameters()))
+        placed = loading.place_all(specs, read, stacks=stacks)
+        return {f"model.{name}": placed[name] for name in specs}
+
+    def _stacked_sharding(self, name: str, shape: tuple[int, ...]):
+        """A run's stacked weight: each block's sharding, the new leading axis whole (so a scan
+        step gathers one block, as the unrolled blocks do)."""
+        per_block = self._weight_sharding(name, shape)
+        if self.mesh is None:
+            return per_block
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+        return NamedSharding(self.mesh, P(None, *per_block.spec))
 
     def _weight_sharding(self, name: str, shape: tuple[int, ...]):
         """A weight's sharding: the layout's rule on a mesh (replicated or FSDP), else None."""
@@ -230,16 +268,42 @@ class JaxBackend:
         if self.mesh is not None:
             from sharding.jax_sp import ATTENTION
             impl = ATTENTION
-        names = [n for n, _ in stage.named_parameters() if stage.uses_parameter(n)]
+        scanned = isinstance(stage, Middle) and bool(self.runs)
+        stacked = [f"model.{k}" for r in self.runs for k in r.keys] if scanned else []
+        in_runs = {f"model.{n}" for r in self.runs for names in r.names for n in names} \
+            if scanned else set()
+        names = [n for n, _ in stage.named_parameters()
+                 if stage.uses_parameter(n) and n not in in_runs]
         absent = {n: torch.empty(p.shape, dtype=p.dtype, device="meta")
-                  for n, p in stage.named_parameters() if not stage.uses_parameter(n)}
+                  for n, p in stage.named_parameters() if n not in names}
+        forward = self._scanned_middle(stage) if scanned else None
 
         def traced(params, *args):
             with env, torch.no_grad(), ops.use(attention=impl), layout.use(lay), \
                     attention.tracing_for(kind):
-                return torch.func.functional_call(stage, {**absent, **params}, args)
+                if not scanned:
+                    return torch.func.functional_call(stage, {**absent, **params}, args)
+                params = dict(params)
+                runs = {k: params.pop(k) for k in stacked}
+                return torch.func.functional_call(scan.OnModel(stage.model, forward),
+                                                  {**absent, **params}, (runs, *args))
 
-        return jax.jit(self.torchax.interop.jax_view(traced)), names
+        return jax.jit(self.torchax.interop.jax_view(traced)), names + stacked
+
+    def _scanned_middle(self, stage):
+        """The middle stage's forward with each run of identical blocks as one scan."""
+        model = stage.model
+
+        def forward(stacked, hidden, ctx):
+            local = stage._local_ctx(ctx)
+            for item in self.middle_blocks:
+                if isinstance(item, scan.Run):
+                    hidden = scan.scan_run(model, item, [stacked[f"model.{k}"] for k in item.keys], hidden,
+                                           lambda h, i=item.start: run_block(model, i, h, local))
+                else:
+                    hidden = run_block(model, item, hidden, local)
+            return hidden
+        return forward
 
     def prepare(self, cond_names, static: dict, latent_shape) -> None:
         """Build the stage programs for one input shape and condition set (compiled on first call)."""

@@ -59,21 +59,49 @@ def _row_range(index: tuple, rows: int) -> tuple[int, int]:
 
 def place(name: str, spec: WeightSpec, read: ReadRows) -> jax.Array:
     """One weight on this process's devices of `spec.sharding`, from its rows."""
+    return _place(name, spec, lambda start, stop: _checked(
+        name, read(name, start, stop), _rows_shape(spec.shape, start, stop, 0), spec.dtype), 0)
+
+
+def place_stacked(name: str, spec: WeightSpec, members: tuple[str, ...], read: ReadRows) -> jax.Array:
+    """Weights of one shape stacked along a new leading axis (`spec.shape` = (len(members),
+    *their shape); the sharding keeps that axis whole): each device's rows read from every
+    member and stacked on the host, so no per-member copy is ever placed."""
+    inner = tuple(spec.shape[1:])
+
+    def rows(start, stop):
+        return torch.stack([_checked(m, read(m, start, stop), _rows_shape(inner, start, stop, 0),
+                                     spec.dtype) for m in members])
+    return _place(name, spec, rows, 1 if inner else None)
+
+
+def _rows_shape(shape, start, stop, axis) -> tuple:
+    if start is None:
+        return tuple(shape)
+    return (*shape[:axis], stop - start, *shape[axis + 1:])
+
+
+def _place(name: str, spec: WeightSpec, rows_of, axis: int | None) -> jax.Array:
+    """Assemble a weight from `rows_of(start, stop)` (rows of dim `axis`; None, None: whole)."""
     shape = tuple(spec.shape)
-    if spec.sharding is None or not shape:
-        whole = _checked(name, read(name, None, None), shape, spec.dtype)
+    if spec.sharding is None or axis is None or len(shape) <= axis:
+        whole = rows_of(None, None)
         if spec.sharding is None:
             return _put(whole, None)
         return jax.make_array_from_single_device_arrays(
             shape, spec.sharding, [_put(whole, d) for d in spec.sharding.addressable_devices])
     by_rows: dict[tuple[int, int], list] = {}
     for device, index in spec.sharding.addressable_devices_indices_map(shape).items():
-        by_rows.setdefault(_row_range(index, shape[0]), []).append((device, index))
+        if any(index[a] != slice(None) and index[a].indices(shape[a]) != (0, shape[a], 1)
+               for a in range(axis)):
+            raise ValueError(f"{name}: a shard splits a dim before {axis}; expected it whole")
+        by_rows.setdefault(_row_range(index[axis:], shape[axis]), []).append((device, index))
     arrays = []
     for (start, stop), members in by_rows.items():
-        rows = _checked(name, read(name, start, stop), (stop - start, *shape[1:]), spec.dtype)
+        rows = rows_of(start, stop)
         for device, index in members:
-            arrays.append(_put(rows[(slice(None), *index[1:])], device))
+            cut = (*index[:axis], slice(None), *index[axis + 1:])
+            arrays.append(_put(rows[cut], device))
         del rows
     return jax.make_array_from_single_device_arrays(shape, spec.sharding, arrays)
 
@@ -97,12 +125,17 @@ def default_threads() -> int:
 
 
 def place_all(specs: dict[str, WeightSpec], read: ReadRows,
-              threads: int | None = None) -> dict[str, jax.Array]:
-    """Every weight of `specs` placed (see `place`) on a pool of `threads` readers; returns
-    once every transfer is done (the host buffers are free then)."""
+              threads: int | None = None, stacks: dict[str, tuple[str, ...]] | None = None
+              ) -> dict[str, jax.Array]:
+    """Every weight of `specs` placed (see `place`; a name in `stacks` stacks those members, see
+    `place_stacked`) on a pool of `threads` readers; returns once every transfer is done (the
+    host buffers are free then)."""
+    stacks = stacks or {}
     with ThreadPoolExecutor(threads or default_threads(), thread_name_prefix="load") as pool, \
             progress.bar(len(specs), "loading weights", unit="tensor") as shown:
-        futures = {name: pool.submit(place, name, spec, read) for name, spec in specs.items()}
+        futures = {name: pool.submit(place_stacked, name, spec, stacks[name], read)
+                   if name in stacks else pool.submit(place, name, spec, read)
+                   for name, spec in specs.items()}
         for f in futures.values():
             f.add_done_callback(lambda _: shown.update(1))
         try:
