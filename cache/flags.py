@@ -15,7 +15,7 @@ from .deepcache import DeepCacheConfig
 from .fbcache import METRICS, FBCacheConfig
 from .limits import LimitsConfig
 from .preset import PRESETS, TECHNIQUE_KEYS, load_preset
-from .teacache import TeaCacheConfig
+from .teacache import LINEAR_THRESHOLD, TeaCacheConfig
 from .teacache_profiles import PROFILES, SIGNALS
 from .validate import ConfigError
 
@@ -79,7 +79,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache_step_interval", type=int, help=d(DeepCacheConfig, "interval"))
 
     g = parser.add_argument_group("caching: TeaCache")
-    g.add_argument("--teacache_thresh", type=float, help=d(TeaCacheConfig, "threshold"))
+    g.add_argument("--teacache_thresh", type=float, help="(default: a poly profile's own threshold, "
+                   f"else {LINEAR_THRESHOLD})")
     g.add_argument("--teacache_policy", help="linear or poly:<profile>; profiles: "
                    + ", ".join(sorted(PROFILES)))
     g.add_argument("--teacache_signal", choices=SIGNALS,

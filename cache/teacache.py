@@ -38,10 +38,15 @@ def _identity(rel: float, expert: str | None = None) -> float:
     return rel
 
 
+LINEAR_THRESHOLD = 0.08  # the threshold of the identity rescaling when none is given
+
+
 @dataclass(frozen=True, kw_only=True)
 class TeaCacheConfig:
     """Args:
-        threshold: accumulator threshold; larger skips more; <= 0 never skips.
+        threshold: accumulator threshold; larger skips more; <= 0 never skips. None (the
+            default): the profile's own threshold (the one it was calibrated or published
+            with) under a `poly:` policy, else LINEAR_THRESHOLD.
         policy: `linear` (identity) or `poly:<profile>` (see teacache_profiles.PROFILES).
         signal: what the signature summarises; defaults to the profile's signal, else the
             block-0 modulated input.
@@ -50,7 +55,7 @@ class TeaCacheConfig:
             phase instead of absolute units (see the module docstring).
     """
 
-    threshold: float = 0.08
+    threshold: float | None = None
     policy: str = "linear"
     signal: str | None = None
     ema: float = 0.0  # smooths rel before rescaling: ema * previous + (1 - ema) * rel; 0 = off
@@ -58,7 +63,8 @@ class TeaCacheConfig:
     relative: bool = False
 
     def __post_init__(self):
-        check_float("TeaCacheConfig", "threshold", self.threshold)
+        if self.threshold is not None:
+            check_float("TeaCacheConfig", "threshold", self.threshold)
         check_int("TeaCacheConfig", "downsample", self.downsample, minimum=1)
         check_float("TeaCacheConfig", "ema", self.ema, below=1.0)
         if not isinstance(self.relative, bool):
@@ -92,6 +98,10 @@ class TeaCacheConfig:
                     f"but signal={self.signal!r} was asked for; drop the signal setting or pick a "
                     f"profile fitted on {self.signal}", field="TeaCacheConfig.signal",
                     value=self.signal)
+        if self.threshold is None:  # a calibrated profile's threshold goes with its curve
+            profile = self.profile
+            object.__setattr__(self, "threshold",
+                               profile.threshold if profile is not None else LINEAR_THRESHOLD)
 
     @cached_property
     def profile(self):

@@ -30,7 +30,7 @@ from cache import CMConfig, TeaCacheConfig
 from cache.teacache_profiles import SIGNALS, check_profile
 from cache.validate import FieldError
 from modules import ops
-from modules.checkpoint import CheckpointError
+from modules.checkpoint import CheckpointError, model_fingerprint
 from modules.layers import ModelConfigError
 from sampling import budget, progress
 from sampling.cli import CommandParser, UsageError, as_int, command
@@ -233,6 +233,8 @@ def run(args) -> dict:
         "signal": args.teacache_signal, "threshold": 0.15, "warmup": 1,
         "source": f"commands.calibrate: {args.model}, {r['samples']} samples x {steps} steps "
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
+        # which weights these figures hold for: stage 2 refuses the profile for others
+        "weights_fingerprint": {expert: model_fingerprint(m) for expert, m in models.items()},
         **result,
     }
     if args.budget:
@@ -250,7 +252,24 @@ def run(args) -> dict:
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
     _write(args.out, profile)  # once, at the end: an interrupted run leaves the old profile
     return {"calls": len(pairs), "result": result, "out": args.out,
-            "budget": profile.get("budget")}
+            "budget": profile.get("budget"), "warnings": fit_warnings(result, args.teacache_signal)}
+
+
+MIN_R2 = 0.8  # below: the curve predicts the output's change too poorly to gate on
+
+
+def fit_warnings(result: dict, signal: str) -> list[str]:
+    """A fit whose R^2 (overall or of an expert) is below MIN_R2, and what to do about it."""
+    poor = [(name, r2) for name, r2 in [("overall", result["r2"]), *result["experts_r2"].items()]
+            if r2 < MIN_R2]
+    if not poor:
+        return []
+    fits = ", ".join(f"{name} R^2 {r2:.2f}" for name, r2 in poor)
+    return [f"poor fit ({fits}; below {MIN_R2}): the {signal} signal's change predicts the "
+            "output's change badly on this model, so a poly: policy from this profile gates "
+            "little better than chance; calibrate with more --samples, another "
+            "--teacache_signal or --degree, or use the linear policy with --teacache_relative "
+            "true (no profile needed)"]
 
 
 def format_summary(report: dict) -> str:
@@ -258,6 +277,7 @@ def format_summary(report: dict) -> str:
     lines = [f"{report['calls']} calls; fit R^2 {result['r2']:.3f}"
              + "".join(f", {e} {r:.3f}" for e, r in result["experts_r2"].items())
              + f"; wrote {report['out']}"]
+    lines += [f"warning: {w}" for w in report.get("warnings", [])]
     b = report.get("budget")
     if b:
         lines.append(f"budget: {len(b['candidates'])} configurations on {len(b['seeds'])} draws "

@@ -20,7 +20,14 @@ from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
 from cache.telemetry import trace_csv
 from modules import ops
-from modules.checkpoint import CheckpointError, cast_model, load_model, open_checkpoint
+from modules.checkpoint import (
+    CheckpointError,
+    cast_model,
+    load_model,
+    model_fingerprint,
+    open_checkpoint,
+    reader_fingerprint,
+)
 from modules.layers import ModelConfigError
 from modules.registry import build_model
 from sampling import platforms, progress
@@ -215,6 +222,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--budget_rel_err", type=float, help="final-latent relative L2 error to stay "
                    "within: the configuration computing the least whose calibrated error bound "
                    "is within it")
+    g.add_argument("--accept_profile", action="store_true", help="use a calibrated profile "
+                   "(--budget_profile, --teacache_policy poly:FILE) although it was measured on "
+                   "other weights")
     g.add_argument("--budget_speedup", type=float, help="block-evaluation reduction to reach: the "
                    "configuration with the least error bound among those that reach it")
     g = parser.add_argument_group("outputs and reports")
@@ -688,6 +698,39 @@ def open_backend(args, r, layout=None):
     return backend, loaded
 
 
+def _profile_files(args, config: CMConfig) -> list[tuple[str, str]]:
+    """(flag, path) of every calibrated profile file this run uses."""
+    files = [("--budget_profile", args.budget_profile)] if args.budget_profile else []
+    tc = config.teacache
+    if tc is not None and tc.policy.startswith("poly:") and tc.policy.endswith(".json"):
+        files.append(("--teacache_policy", tc.policy.removeprefix("poly:")))
+    return files
+
+
+def check_profile_weights(args, r, fingerprints: dict) -> list[str]:
+    """Refuse a calibrated profile measured on other weights than these (unless
+    --accept_profile); warnings for a profile that records none (written before it did)."""
+    notes = []
+    fingerprints = json.loads(json.dumps(fingerprints))  # as a profile holds them (None -> "null")
+    for flag, path in _profile_files(args, r["config"]):
+        try:
+            with open(path) as fh:
+                recorded = json.load(fh).get("weights_fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue  # the profile's own loader has said what is wrong with it
+        if recorded is None:
+            notes.append(f"{flag} {path} records no weights fingerprint (calibrated before "
+                         "profiles did); it is used as if measured on these weights")
+        elif recorded != fingerprints and not args.accept_profile:
+            raise UsageError(f"{flag} {path} was calibrated on other weights (fingerprint "
+                             f"{recorded}, these are {fingerprints}); calibrate on these weights, "
+                             "or pass --accept_profile to use it anyway")
+        elif recorded != fingerprints:
+            notes.append(f"{flag} {path} was calibrated on other weights; used as asked "
+                         "(--accept_profile)")
+    return notes
+
+
 def sample_and_write(args, r, backend, writer: bool, loaded: dict | None = None) -> dict:
     """One resolved run on an open backend: sample (and the uncached comparison), check, report
     (with `loaded`, what opening the backend read), write (the writer only)."""
@@ -720,6 +763,7 @@ def sample_and_write(args, r, backend, writer: bool, loaded: dict | None = None)
             **fidelity(latents, reference, noise),
         }
         r["uncached_latents"] = reference  # for a caller that decodes both (generate --compare)
+        report["warnings"] += speedup_remarks(report)
     if loaded is not None:
         report["load"] = loaded
     report["writer"] = writer
@@ -734,12 +778,19 @@ def _load(args, r, plan, layout):
     backend's tiny random models, take whole models built first."""
     pipe = r["pipe"]
     if args.backend != "jax" or args.model_path is None:
-        return make_backend(args, load_models(pipe, args.model_path, r["dtype"]), plan, layout), None
+        models = load_models(pipe, args.model_path, r["dtype"])
+        if _profile_files(args, r["config"]):
+            r["warnings"] = check_profile_weights(
+                args, r, {e: model_fingerprint(m) for e, m in models.items()})
+        return make_backend(args, models, plan, layout), None
     began = time.perf_counter()
     opened = open_models(pipe, args.model_path, r["dtype"])
     opening = time.perf_counter() - began
     readers = {expert: reader for expert, (_, reader) in opened.items()}
     try:
+        if _profile_files(args, r["config"]):  # before any weight is placed
+            r["warnings"] = check_profile_weights(
+                args, r, {e: reader_fingerprint(m, rd) for e, (m, rd) in opened.items()})
         backend = make_backend(args, {e: model for e, (model, _) in opened.items()}, plan, layout,
                                checkpoints=readers)
     finally:
@@ -805,11 +856,40 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         },
         "budget": r["budget"],
         "clips": summary.get("clips"),  # speech-to-video: computed/reused per clip and branch
-        "warnings": profile_warnings(gate.config, summary, gate.telemetry.trace),
+        "warnings": r.get("warnings", []) + profile_warnings(gate.config, summary,
+                                                             gate.telemetry.trace),
         "summary": summary,
         "histograms": histograms(gate.telemetry.trace, r["steps"]),
         "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
     }
+
+
+NOISE = 0.15  # measured over the schedule ideal by more than this: said to be timing noise
+
+
+def speedup_remarks(report: dict) -> list[str]:
+    """What a --compare run's measured speedup means when it is below 1 or above what the
+    schedule allows (a cached run cannot save more than the blocks it skips)."""
+    t, ideal = report["time"], report["speedup"]["schedule_ideal"]
+    measured = report["compare"]["speedup"]
+    steps = t["full_steps"] + t["cached_steps"]
+    uncached_step = report["compare"]["uncached_loop_seconds"] / steps
+    if measured < 1:
+        cached = t["cached_step_seconds"]
+        cost = (f"a reused step took {_ms(cached)} against {_ms(t['full_step_seconds'])} for a "
+                f"computed one" if cached is not None else "no step was reused")
+        return [f"measured speedup {measured:.2f}x is below 1, slower than uncached: {cost}, and "
+                f"{t['cached_steps']} of {steps} steps were reused (schedule ideal {ideal:.2f}x); "
+                "the probe, signal reads and tail that every step runs outweigh the skipped "
+                "blocks here (small models, busy hosts); reuse more (a larger --budget_speedup "
+                "or threshold) or run uncached"]
+    if measured > ideal * (1 + NOISE):
+        return [f"measured speedup {measured:.2f}x is above the schedule ideal {ideal:.2f}x, "
+                f"which bounds what skipping blocks can save: the uncached run's steps took "
+                f"{_ms(uncached_step)} on average against {_ms(t['full_step_seconds'])} for the "
+                "cached run's computed ones, so the host's speed changed between the runs "
+                "(timing noise); trust the ideal and the estimate"]
+    return []
 
 
 def profile_warnings(config: CMConfig, summary: dict, trace) -> list[str]:

@@ -10,6 +10,7 @@ model: no second full copy in memory. Every CheckpointError message is one line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -823,3 +824,38 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike, *, layout: s
 
 def _is_view(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
+# --- which weights a profile was measured on ------------------------------------------------------
+
+FINGERPRINT_SAMPLES = 8  # parameters whose first values enter the fingerprint
+
+
+def fingerprint(shapes: dict[str, tuple[int, ...]], first_row) -> str:
+    """A short identity of a set of weights: sha256 over every parameter's name and shape, and
+    the first 16 values of the first row of FINGERPRINT_SAMPLES of them (evenly spaced in name
+    order), rounded to bf16 so that the dtype they were loaded in does not change it.
+    `first_row(name)` -> that parameter's rows [0, 1) (any dtype, any device)."""
+    digest = hashlib.sha256()
+    names = sorted(shapes)
+    for name in names:
+        digest.update(f"{name}:{tuple(shapes[name])};".encode())
+    sampled = [n for n in names if len(shapes[n]) > 0]
+    step = max(1, len(sampled) // FINGERPRINT_SAMPLES)
+    for name in sampled[::step][:FINGERPRINT_SAMPLES]:
+        values = first_row(name).detach().reshape(-1)[:16].to("cpu", torch.bfloat16).float()
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """`fingerprint` of a model's own (host) weights."""
+    params = dict(model.named_parameters())
+    return fingerprint({n: tuple(p.shape) for n, p in params.items()}, lambda n: params[n][:1])
+
+
+def reader_fingerprint(model: nn.Module, reader: CheckpointReader) -> str:
+    """`fingerprint` of the weights a checkpoint reader would place into `model` (a meta
+    model): the same value as `model_fingerprint` of the loaded model, reading a few rows."""
+    return fingerprint({n: tuple(p.shape) for n, p in model.named_parameters()},
+                       lambda n: reader.read(n, 0, 1))

@@ -1,0 +1,124 @@
+"""Using calibration as a user would: a profile's stored threshold is honoured, a poor fit says
+so and what to do, a profile measured on other weights is refused (unless accepted), and a
+measured speedup below 1 or above the schedule ideal is explained."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cache import TeaCacheConfig
+from cache.flags import config_from_args
+from cache.teacache import LINEAR_THRESHOLD
+from commands import calibrate, stage2
+from commands.stage2 import NOISE, speedup_remarks
+from modules.checkpoint import model_fingerprint
+from sampling.pipelines import get_pipeline
+
+COEFFICIENTS = [0.0, 0.0, 0.0, 1.0, 0.0]  # the identity: rescaled == rel
+
+
+def _profile(path, threshold=0.37, **extra):
+    path.write_text(json.dumps({"coefficients": COEFFICIENTS, "signal": "modulated_input",
+                                "threshold": threshold, "warmup": 1, **extra}))
+    return str(path)
+
+
+def test_a_profiles_stored_threshold_is_honoured_unless_a_flag_says_otherwise(tmp_path):
+    path = _profile(tmp_path / "p.json", threshold=0.37)
+    assert TeaCacheConfig(policy=f"poly:{path}").threshold == 0.37
+    assert TeaCacheConfig(policy="poly:hunyuanvideo1.5-720p-t2v").threshold == 0.15  # published
+    assert TeaCacheConfig().threshold == LINEAR_THRESHOLD
+    parser = stage2.build_parser()
+    args = parser.parse_args(["--teacache", "--teacache_policy", f"poly:{path}"])
+    assert config_from_args(args).teacache.threshold == 0.37
+    args = parser.parse_args(["--teacache", "--teacache_policy", f"poly:{path}",
+                              "--teacache_thresh", "0.2"])
+    assert config_from_args(args).teacache.threshold == 0.2
+
+
+def test_a_poor_fit_warns_and_says_what_to_do():
+    assert calibrate.fit_warnings({"r2": 0.95, "experts_r2": {}}, "modulated_input") == []
+    [w] = calibrate.fit_warnings({"r2": 0.93, "experts_r2": {"high": 0.4, "low": 0.9}},
+                                 "time_embedding")
+    assert "high R^2 0.40" in w and "low" not in w.split(";")[0] and "--samples" in w
+    assert "--teacache_relative true" in w
+    summary = calibrate.format_summary({"calls": 10, "out": "p.json", "budget": None,
+                                        "result": {"r2": 0.3, "experts_r2": {}},
+                                        "warnings": calibrate.fit_warnings(
+                                            {"r2": 0.3, "experts_r2": {}}, "modulated_input")})
+    assert "warning: poor fit (overall R^2 0.30" in summary
+
+
+TINY = ["--backend", "torch", "--num_inference_steps", "6", "--teacache"]
+
+
+def test_a_profile_of_other_weights_is_refused_in_one_line_unless_accepted(tmp_path, capsys):
+    pipe = get_pipeline("hunyuanvideo-tiny")
+    models = stage2.load_models(pipe, None, torch.float32)
+    mine = {e: model_fingerprint(m) for e, m in models.items()}
+    other = _profile(tmp_path / "other.json", weights_fingerprint={None: "0123456789abcdef"})
+    same = _profile(tmp_path / "same.json", weights_fingerprint=mine)
+    same_fp = json.loads(open(same).read())["weights_fingerprint"]
+    assert same_fp == {"null": next(iter(mine.values()))}
+
+    code = stage2.main([*TINY, "--teacache_policy", f"poly:{other}", "--output_dir",
+                        str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "calibrated on other weights" in err
+    assert "--accept_profile" in err and not (tmp_path / "a").exists()
+
+    code = stage2.main([*TINY, "--teacache_policy", f"poly:{other}", "--accept_profile",
+                        "--output_dir", str(tmp_path / "b")])
+    out = capsys.readouterr().out
+    assert code == 0 and "used as asked (--accept_profile)" in out
+
+    code = stage2.main([*TINY, "--teacache_policy", f"poly:{same}", "--output_dir",
+                        str(tmp_path / "c")])
+    out = capsys.readouterr().out
+    assert code == 0 and "other weights" not in out and "fingerprint" not in out
+
+
+def test_calibrate_records_the_fingerprint_a_run_compares(tmp_path):
+    path = tmp_path / "p.json"
+    assert calibrate.main(["--model", "hunyuanvideo-tiny", "--samples", "1",
+                           "--num_inference_steps", "8", "--degree", "2", "--out", str(path)]) == 0
+    recorded = json.loads(path.read_text())["weights_fingerprint"]
+    models = stage2.load_models(get_pipeline("hunyuanvideo-tiny"), None, torch.float32)
+    assert recorded == {"null": model_fingerprint(models[None])}
+
+
+def _report(measured, ideal=1.5, full=0.010, cached=0.004, full_steps=10, cached_steps=10,
+            uncached_step=0.010):
+    steps = full_steps + cached_steps
+    return {"time": {"full_step_seconds": full, "cached_step_seconds": cached,
+                     "full_steps": full_steps, "cached_steps": cached_steps},
+            "speedup": {"schedule_ideal": ideal},
+            "compare": {"speedup": measured, "uncached_loop_seconds": uncached_step * steps}}
+
+
+def test_a_measured_speedup_below_1_or_above_the_ideal_is_explained():
+    assert speedup_remarks(_report(1.3)) == []
+    assert speedup_remarks(_report(1.5 * (1 + NOISE) - 0.01)) == []
+    [slow] = speedup_remarks(_report(0.62, cached=0.009))
+    assert "0.62x is below 1" in slow and "9.0 ms" in slow and "10 of 20 steps" in slow
+    assert "run uncached" in slow
+    [fast] = speedup_remarks(_report(5.79, ideal=3.33, uncached_step=0.03))
+    assert "above the schedule ideal 3.33x" in fast and "timing noise" in fast
+
+
+@pytest.mark.parametrize("model", ["wan-tiny-s2v"])
+def test_a_multi_clip_run_reports_a_measured_speedup_within_noise_of_its_ideal_or_says_why(
+        model, tmp_path):
+    """Speech-to-video: both runs' loops are summed over the same clips; a measured figure over
+    the ideal by more than the noise margin comes with its explanation."""
+    args = stage2.build_parser().parse_args([
+        "--model", model, "--backend", "torch", "--enable_cache", "--compare",
+        "--num_inference_steps", "8", "--output_dir", str(tmp_path)])
+    report = stage2.run(args)
+    assert report["num_clips"] and report["num_clips"] > 1
+    measured, ideal = report["compare"]["speedup"], report["speedup"]["schedule_ideal"]
+    explained = any("above the schedule ideal" in w or "below 1" in w for w in report["warnings"])
+    assert (1 <= measured <= ideal * (1 + NOISE)) or explained, (measured, ideal, report["warnings"])
