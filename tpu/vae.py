@@ -53,6 +53,11 @@ def make_mesh(devices: int | None = None) -> Mesh:
     return Mesh(np.array(devs), (AXIS,))
 
 
+def mesh_size(latent_height: int, devices: int) -> int:
+    """The most devices, at most `devices`, that split the latent rows evenly."""
+    return max(d for d in range(1, devices + 1) if latent_height % d == 0)
+
+
 def family(vae) -> str:
     name = type(vae).__name__
     if name == "AutoencoderKLWan":
@@ -78,6 +83,55 @@ class _Decode(torch.nn.Module):
 
 # --- Wan: diffusers' feat_cache, made fixed-shape ---------------------------------------------
 
+def _wan_conv(m, x, cache_x=None):
+    """WanCausalConv3d.forward with its spatial zero padding left to the convolution: the
+    same numbers, but on rows split over devices XLA then exchanges a one-row halo, where a
+    separate pad of the split axis shifts every row to another device first (measured: 3
+    collective-permutes per conv, two of them of most of a shard, against 2 of one row)."""
+    pw, _, ph, _, pt, _ = m._padding
+    if cache_x is not None and pt > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        pt -= cache_x.shape[2]
+    x = F.pad(x, (0, 0, 0, 0, pt, 0))
+    return F.conv3d(x, m.weight, m.bias, m.stride, (0, ph, pw), m.dilation, m.groups)
+
+
+def _wan_upsample(m, x):
+    """WanUpsample (nearest-exact, 2x) as each pixel repeated: the same numbers, but rows
+    split over devices stay where they are, where XLA's lowering of the index gather first
+    all-gathers the whole frame onto every device."""
+    if tuple(m.scale_factor) != (2.0, 2.0) or m.mode != "nearest-exact":
+        return type(m).forward(m, x)
+    return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+
+
+@contextlib.contextmanager
+def _wan_routes(vae):
+    """The decoder's causal convs and upsamplers routed through `_wan_conv`/`_wan_upsample`."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanUpsample
+
+    routes = {WanCausalConv3d: _wan_conv, WanUpsample: _wan_upsample}
+    with _routed(vae.decoder, routes):
+        yield
+
+
+@contextlib.contextmanager
+def _routed(module, routes: dict):
+    """Each submodule of a type in `routes` runs `routes[type](submodule, *args)` instead of its
+    forward, inside the block (the trace); the class code is untouched."""
+    patched = []
+    for m in module.modules():
+        route = routes.get(type(m))
+        if route is not None:
+            m.forward = types.MethodType(route, m)
+            patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
 def _wan_first(vae, z):
     """Latent frame 0 -> (video frame 0, the cache in steady shapes)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
@@ -87,7 +141,9 @@ def _wan_first(vae, z):
              for m in vae.decoder.modules() if isinstance(m, WanResample) and m.mode == "upsample3d"]
     try:
         cache = [None] * vae._cached_conv_counts["decoder"]
-        out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0], first_chunk=True)
+        with _wan_routes(vae):
+            out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0],
+                              first_chunk=True)
     finally:
         for h in hooks:
             h.remove()
@@ -106,7 +162,8 @@ def _wan_first(vae, z):
 def _wan_steady(vae, z, state):
     """Latent frame i > 0 with the cache of frame i - 1 -> (4 video frames, the next cache)."""
     cache = list(state)
-    out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0])
+    with _wan_routes(vae):
+        out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0])
     return _wan_video(vae, out), cache
 
 
@@ -180,24 +237,14 @@ class _HunyuanChunk:
         return m.proj_out(out) + identity
 
 
-@contextlib.contextmanager
 def _patched(vae, chunk: _HunyuanChunk):
     """The decoder's causal convs, upsamplers and attention blocks routed through `chunk`."""
     from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as hy
 
-    routes = {hy.HunyuanVideo15CausalConv3d: chunk.conv, hy.HunyuanVideo15Upsample: chunk.upsample,
-              hy.HunyuanVideo15AttnBlock: chunk.attention}
-    patched = []
-    for m in vae.decoder.modules():
-        route = routes.get(type(m))
-        if route is not None:
-            m.forward = types.MethodType(lambda self, x, _r=route: _r(self, x), m)
-            patched.append(m)
-    try:
-        yield
-    finally:
-        for m in patched:
-            del m.forward
+    return _routed(vae.decoder, {
+        hy.HunyuanVideo15CausalConv3d: lambda m, x: chunk.conv(m, x),
+        hy.HunyuanVideo15Upsample: lambda m, x: chunk.upsample(m, x),
+        hy.HunyuanVideo15AttnBlock: lambda m, x: chunk.attention(m, x)})
 
 
 def _hunyuan_chunk(vae, z, conv_state, kv_state, t, *, first, kv_frames):
