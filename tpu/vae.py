@@ -195,7 +195,10 @@ class _HunyuanChunk:
             front = x[:, :, :1].expand(-1, -1, kt, -1, -1) if self.first else next(self.conv_in)
             x = torch.cat([front, x], dim=2)
             self.conv_out.append(x[:, :, -kt:])
-        return m.conv(F.pad(x, (*m.time_causal_padding[:4], 0, 0), mode=m.pad_mode))
+        pw, _, ph, _, _, _ = m.time_causal_padding
+        if m.pad_mode != "replicate" or ph != 1:
+            return m.conv(F.pad(x, (pw, pw, ph, ph, 0, 0), mode=m.pad_mode))
+        return _replicate_rows_conv(m.conv, F.pad(x, (pw, pw, 0, 0, 0, 0), mode="replicate"))
 
     def upsample(self, m, x):
         """Every frame of a steady chunk takes the upsampler's "next frames" path."""
@@ -235,6 +238,20 @@ class _HunyuanChunk:
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[None, None, None, :])
         out = out.squeeze(1).reshape(b, h, w, c).permute(0, 3, 1, 2).unsqueeze(2)
         return m.proj_out(out) + identity
+
+
+def _replicate_rows_conv(conv, x):
+    """conv(x with its first and last rows replicated once), as a conv zero-padding the rows
+    plus each border row's missing term (the kernel's outer row applied to that border row):
+    the same sum, but on rows split over devices XLA exchanges one-row halos, where a
+    replicate pad of the split axis moves every row to another device first."""
+    w = conv.weight
+    y = F.conv3d(x, w, conv.bias, conv.stride, (0, 1, 0), conv.dilation, conv.groups)
+    top = F.conv3d(x[:, :, :, :1], w[:, :, :, :1], None, conv.stride, 0, conv.dilation, conv.groups)
+    bottom = F.conv3d(x[:, :, :, -1:], w[:, :, :, -1:], None, conv.stride, 0, conv.dilation,
+                      conv.groups)
+    row = torch.arange(y.shape[3], device=y.device)[:, None]
+    return y + torch.where(row == 0, top, 0.0) + torch.where(row == y.shape[3] - 1, bottom, 0.0)
 
 
 def _patched(vae, chunk: _HunyuanChunk):
