@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 
 import torch
 
@@ -304,9 +305,13 @@ def _run_jax(args, r):
     video = torch.from_numpy(decoder.decode(z))
     seconds = time.perf_counter() - compiled
     d = jax.devices()[0]
-    return _write(args, r, video, z.shape, seconds, vae_name, 0, devices,
-                  f"jax {d.platform}:{d.device_kind} x{devices}",
-                  extra=dict(vae_backend="jax", stage3_compile_time=round(compiled - began, 3)))
+    with warnings.catch_warnings():
+        # ffmpeg starts by fork + exec, which runs no JAX code in the child: JAX's warning about
+        # forking its threads does not apply
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+        return _write(args, r, video, z.shape, seconds, vae_name, 0, devices,
+                      f"jax {d.platform}:{d.device_kind} x{devices}",
+                      extra=dict(vae_backend="jax", stage3_compile_time=round(compiled - began, 3)))
 
 
 def _run(args, r, rank, world, device, built=None, also=None):

@@ -45,6 +45,10 @@ from .torchax_compat import import_torchax
 AXIS = "h"  # the mesh axis the frame's rows are split over
 KV_BUCKET = 8  # HunyuanVideo-1.5: the mid-block K/V buffers hold a multiple of 8 latent frames
 _ROWS = P(None, None, None, AXIS, None)  # [B, C, T, H, W] split by height
+# The compiled programs of this process, by architecture (class, config, dtype), devices and
+# shape: the weights are arguments, so another decoder of the same VAE (the next run of a job,
+# another checkpoint) reuses them and compiles nothing.
+_COMPILED: dict = {}
 
 
 def make_mesh(devices: int | None = None) -> Mesh:
@@ -291,7 +295,11 @@ class JaxVaeDecoder:
         self.dtype = next(iter(vae.parameters()), torch.zeros(())).dtype
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         self.params = {name: self._put(t, self._replicated()) for name, t in tensors.items()}
-        self._programs = {}  # (latent shape of one frame, kv_frames) -> (first, steady)
+        devices = tuple(d.id for d in mesh.devices.flat) if mesh is not None else None
+        config = sorted((k, repr(v)) for k, v in dict(getattr(vae, "config", {})).items())
+        self._arch = (type(vae).__name__, tuple(config), str(self.dtype), devices)
+        # (latent shape of one frame, kv_frames) -> (first, steady)
+        self._programs = _COMPILED.setdefault(self._arch, {})
 
     # placement ------------------------------------------------------------------------------
 
