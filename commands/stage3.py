@@ -7,6 +7,7 @@ stage-2 files -> check the output folder -> build or load the VAE, check its lat
 and the config atomically (rank 0).
 
     python stage3_vae_decode.py --input_dir stage_outputs                      # tiny random VAE
+    python stage3_vae_decode.py --input_dir D --backend torch --device cuda    # diffusers on torch
     python stage3_vae_decode.py --input_dir D --vae_path /ckpts/Wan2.2_VAE.pth
     torchrun --nproc_per_node 4 stage3_vae_decode.py --input_dir D --vae_path V --patch_parallel
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 
 import torch
 
@@ -52,7 +54,8 @@ MIN_FPS, MAX_FPS = 0.1, 1000.0
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
-        common={"input_dir", "output_dir", "model", "vae_path", "fps", "device", "patch_parallel"},
+        common={"input_dir", "output_dir", "model", "vae_path", "fps", "backend", "device",
+                "patch_parallel"},
         description="Stage 3: decode stage-2 latents with the model's VAE into an mp4.")
     g = parser.add_argument_group("inputs and model")
     g.add_argument("--input_dir", default="stage_outputs",
@@ -69,8 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("advanced")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="VAE weights and "
                         "compute (default fp32)")
-    g.add_argument("--device", help="cpu, cuda or npu (default: cuda if present, else cpu; "
-                        "with torchrun, the local rank's device)")
+    g.add_argument("--backend", choices=("jax", "torch"),
+                   help="jax: the decoder as two compiled programs (tpu/vae.py) on JAX's "
+                        "devices, the frame's rows split over as many as divide them; torch: "
+                        "diffusers on --device. Default: torch when --device, "
+                        "--patch_parallel, --tiled or torchrun ask for it, else jax")
+    g.add_argument("--device", help="torch backend: cpu, cuda or npu (default: cuda if "
+                   "present, else cpu; with torchrun, the local rank's device)")
     g = parser.add_argument_group("parallel")
     g.add_argument("--patch_parallel", action="store_true",
                         help="split the frame over the torchrun ranks (WORLD_SIZE > 1): halo "
@@ -166,6 +174,7 @@ def resolve(args) -> dict:
         raise UsageError("--grid needs --patch_parallel under torchrun (WORLD_SIZE > 1)")
     if args.tile_size is not None and not args.tiled:
         raise UsageError("--tile_size needs --tiled")
+    backend = _backend(args, world)
     if args.fps is not None:
         fps = as_number("--fps", args.fps, minimum=MIN_FPS, maximum=MAX_FPS)
     elif config.get("fps") is not None:
@@ -175,7 +184,22 @@ def resolve(args) -> dict:
     output_dir = args.output_dir if args.output_dir is not None else args.input_dir
     check_writable(output_dir, "--output_dir", (VIDEO, CONFIG))
     return dict(pipe=pipe, latents=latents, config=config, size=(frames, height, width), fps=fps,
-                output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid)
+                output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid, backend=backend)
+
+
+_TORCH_ONLY = ("device", "patch_parallel", "tiled", "tile_size")
+
+
+def _backend(args, world: int) -> str:
+    """The --backend asked for, or the default: torch where a torch-only flag or a torchrun
+    world asks for it, else jax (as stage 2)."""
+    torch_flags = [f"--{f}" for f in _TORCH_ONLY if getattr(args, f) not in (None, False)]
+    if args.backend == "jax" and (torch_flags or world > 1):
+        raise UsageError(f"{', '.join(torch_flags) or 'torchrun'} belong(s) to --backend torch; "
+                         "the JAX backend splits the frame over JAX's own devices")
+    if args.backend is not None:
+        return args.backend
+    return "torch" if torch_flags or world > 1 else "jax"
 
 
 def build_vae(pipe, vae_path, dtype):
@@ -254,6 +278,8 @@ def decode(vae, z, grid, tiled, tile_size):
 def run(args) -> dict:
     """The whole stage; returns the report (rank 0 writes the files)."""
     r = resolve(args)
+    if r["backend"] == "jax":
+        return _run_jax(args, r)
     parallel = r["grid"] is not None
     device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel else None)
     rank, world = _distributed(device) if parallel else (0, 1)
@@ -263,6 +289,34 @@ def run(args) -> dict:
         if world > 1:
             import torch.distributed as dist
             dist.destroy_process_group()
+
+
+def _run_jax(args, r):
+    """The decode on JAX (tpu/vae.py, imported here: the torch path never loads torchax)."""
+    import jax
+
+    from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
+    from tpu.vae import JaxVaeDecoder, make_mesh, mesh_size
+
+    enable_compile_cache(DEFAULT_CACHE_DIR)  # as stage 2: the next run reuses the programs
+    pipe = r["pipe"]
+    vae, vae_name = build_vae(pipe, args.vae_path, r["dtype"])
+    z = to_vae_latents(vae, r["latents"].to(dtype=r["dtype"]))
+    devices = mesh_size(z.shape[3], len(jax.devices()))
+    decoder = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
+    began = time.perf_counter()
+    decoder.prepare(tuple(z.shape))  # both programs compile here, none in the decode loop
+    compiled = time.perf_counter()
+    video = torch.from_numpy(decoder.decode(z))
+    seconds = time.perf_counter() - compiled
+    d = jax.devices()[0]
+    with warnings.catch_warnings():
+        # ffmpeg starts by fork + exec, which runs no JAX code in the child: JAX's warning about
+        # forking its threads does not apply
+        warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
+        return _write(args, r, video, z.shape, seconds, vae_name, 0, devices,
+                      f"jax {d.platform}:{d.device_kind} x{devices}",
+                      extra=dict(vae_backend="jax", stage3_compile_time=round(compiled - began, 3)))
 
 
 def _run(args, r, rank, world, device, built=None, also=None):
@@ -276,8 +330,15 @@ def _run(args, r, rank, world, device, built=None, also=None):
     began = time.perf_counter()
     video = decode(vae, z, r["grid"], args.tiled, args.tile_size)
     seconds = time.perf_counter() - began
-    grid = r["grid"]
-    report = {"model": pipe.name, "vae": vae_name, "latent_shape": list(z.shape),
+    return _write(args, r, video, z.shape, seconds, vae_name, rank, world, device, also)
+
+
+def _write(args, r, video, latent_shape, seconds, vae_name, rank, world, device, also=None,
+           extra=None):
+    """The report, and on rank 0 the video and config (plus the fields of `extra`) of one
+    decode."""
+    pipe, grid = r["pipe"], r["grid"]
+    report = {"model": pipe.name, "vae": vae_name, "latent_shape": list(latent_shape),
               "ranks": world, "grid": list(grid.shape) if grid else None, "tiled": args.tiled,
               "device": str(device), "dtype": args.dtype, "decode_seconds": seconds,
               "fps": r["fps"], "rank": rank}
@@ -297,7 +358,7 @@ def _run(args, r, rank, world, device, built=None, also=None):
                   video_frames=expected[0], video_height=frames.shape[1],
                   video_width=frames.shape[2], video_enlarged=factor,
                   vae_patch_parallel_ranks=world,
-                  vae_patch_grid=report["grid"], vae_tiled=args.tiled)
+                  vae_patch_grid=report["grid"], vae_tiled=args.tiled, **(extra or {}))
     config.update(fps=r["fps"], **fields)
     report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config, also=also)
     report["video"] = list(frames.shape[:3])

@@ -1,0 +1,411 @@
+"""Stage 3 on JAX: the diffusers video VAEs' decoders as static programs, traced through torchax
+from the same torch modules, one latent frame per call with the causal caches carried between
+calls as explicit inputs and outputs.
+
+Two programs per decode, compiled ahead of the loop (`prepare`): the first latent frame (it
+decodes to one video frame: the temporal upsamplers skip it) and a steady frame (four video
+frames). A clip of any length runs the first program once and the steady one F - 1 times; the
+loop calls the compiled executables, so it can compile nothing.
+
+    Wan2.1 / Wan2.2 VAE (AutoencoderKLWan): diffusers decodes frame by frame with `feat_cache`,
+        a list of the last 2 input frames of each causal conv. After frame 0 an entry holds one
+        frame, after frame 1 two, and 3-D upsamplers hold "Rep" (no cache yet). The first program
+        returns every entry as 2 frames, a zero frame in front (and zeros for "Rep"): a causal
+        conv pads time with zeros, so the steady program, given those, computes what diffusers'
+        second call does, and from then on the shapes are fixed.
+    HunyuanVideo-1.5 VAE (AutoencoderKLHunyuanVideo15): diffusers decodes the whole clip at once.
+        Its convs pad time with the first frame replicated and its mid-block attention is
+        frame-causal over every earlier latent frame, so the chunked decode carries each causal
+        conv's last 2 input frames and the mid-block K/V of all earlier frames, in buffers of
+        `kv_frames` latent frames (the clip's count rounded up to a multiple of KV_BUCKET, so
+        clips of 1-8 latent frames share programs, 9-16 the next pair, ...), masked by frame.
+    PixelLatents (the pixel-space tiny model): the clamp, one program of the whole clip.
+
+On a mesh of several devices (1-D, axis "h") the latent rows, every cached frame and the video
+are split by height, the weights replicated, and XLA partitions the convolutions (GSPMD: each
+3x3 conv exchanges a row of halo with its neighbours by collective-permute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+
+import jax
+import numpy as np
+import torch
+import torch.nn.functional as F
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from compat.torchax_compat import import_torchax
+
+from .compile import compile_counts
+
+AXIS = "h"  # the mesh axis the frame's rows are split over
+KV_BUCKET = 8  # HunyuanVideo-1.5: the mid-block K/V buffers hold a multiple of 8 latent frames
+_ROWS = P(None, None, None, AXIS, None)  # [B, C, T, H, W] split by height
+# The compiled programs of this process, by architecture (class, config, dtype), devices and
+# shape: the weights are arguments, so another decoder of the same VAE (the next run of a job,
+# another checkpoint) reuses them and compiles nothing.
+_COMPILED: dict = {}
+
+
+def make_mesh(devices: int | None = None) -> Mesh:
+    """A 1-D mesh over the first `devices` devices (default: all)."""
+    devs = jax.devices()[: devices or len(jax.devices())]
+    return Mesh(np.array(devs), (AXIS,))
+
+
+def mesh_size(latent_height: int, devices: int) -> int:
+    """The most devices, at most `devices`, that split the latent rows evenly."""
+    return max(d for d in range(1, devices + 1) if latent_height % d == 0)
+
+
+def family(vae) -> str:
+    name = type(vae).__name__
+    if name == "AutoencoderKLWan":
+        return "wan"
+    if name == "AutoencoderKLHunyuanVideo15":
+        return "hunyuan"
+    if name == "PixelLatents":
+        return "pixels"
+    raise ValueError(f"no JAX decode for {name}; expected AutoencoderKLWan, "
+                     "AutoencoderKLHunyuanVideo15 or PixelLatents")
+
+
+class _Decode(torch.nn.Module):
+    """The VAE as one module, so that functional_call binds its weights by name ("vae.*")."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, fn, *args):
+        return fn(self.vae, *args)
+
+
+# --- Wan: diffusers' feat_cache, made fixed-shape ---------------------------------------------
+
+def _wan_conv(m, x, cache_x=None):
+    """WanCausalConv3d.forward with its spatial zero padding left to the convolution: the
+    same numbers, but on rows split over devices XLA then exchanges a one-row halo, where a
+    separate pad of the split axis shifts every row to another device first (measured: 3
+    collective-permutes per conv, two of them of most of a shard, against 2 of one row)."""
+    pw, _, ph, _, pt, _ = m._padding
+    if cache_x is not None and pt > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        pt -= cache_x.shape[2]
+    x = F.pad(x, (0, 0, 0, 0, pt, 0))
+    return F.conv3d(x, m.weight, m.bias, m.stride, (0, ph, pw), m.dilation, m.groups)
+
+
+def _wan_upsample(m, x):
+    """WanUpsample (nearest-exact, 2x) as each pixel repeated: the same numbers, but rows
+    split over devices stay where they are, where XLA's lowering of the index gather first
+    all-gathers the whole frame onto every device."""
+    if tuple(m.scale_factor) != (2.0, 2.0) or m.mode != "nearest-exact":
+        return type(m).forward(m, x)
+    return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+
+
+@contextlib.contextmanager
+def _wan_routes(vae):
+    """The decoder's causal convs and upsamplers routed through `_wan_conv`/`_wan_upsample`."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanUpsample
+
+    routes = {WanCausalConv3d: _wan_conv, WanUpsample: _wan_upsample}
+    with _routed(vae.decoder, routes):
+        yield
+
+
+@contextlib.contextmanager
+def _routed(module, routes: dict):
+    """Each submodule of a type in `routes` runs `routes[type](submodule, *args)` instead of its
+    forward, inside the block (the trace); the class code is untouched."""
+    patched = []
+    for m in module.modules():
+        route = routes.get(type(m))
+        if route is not None:
+            m.forward = types.MethodType(route, m)
+            patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def _wan_first(vae, z):
+    """Latent frame 0 -> (video frame 0, the cache in steady shapes)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+
+    rep_inputs = []  # the input of each 3-D upsampler, in call order ("Rep" in the cache)
+    hooks = [m.register_forward_pre_hook(lambda m, args: rep_inputs.append(args[0]))
+             for m in vae.decoder.modules() if isinstance(m, WanResample) and m.mode == "upsample3d"]
+    try:
+        cache = [None] * vae._cached_conv_counts["decoder"]
+        with _wan_routes(vae):
+            out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0],
+                              first_chunk=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    reps = iter(rep_inputs)
+    state = []
+    for entry in cache:
+        if isinstance(entry, str):  # "Rep": no frame seen yet, i.e. zero padding
+            x = next(reps)
+            entry = torch.zeros_like(x[:, :, :1]).expand(-1, -1, 2, -1, -1)
+        elif entry is not None and entry.shape[2] < 2:
+            entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
+        state.append(entry)
+    return _wan_video(vae, out), state
+
+
+def _wan_steady(vae, z, state):
+    """Latent frame i > 0 with the cache of frame i - 1 -> (4 video frames, the next cache)."""
+    cache = list(state)
+    with _wan_routes(vae):
+        out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0])
+    return _wan_video(vae, out), cache
+
+
+def _wan_video(vae, out):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    if vae.config.patch_size is not None:
+        out = unpatchify(out, patch_size=vae.config.patch_size)
+    return torch.clamp(out, min=-1.0, max=1.0)
+
+
+# --- HunyuanVideo-1.5: conv caches and the mid-block K/V carried by hand ------------------------
+
+class _HunyuanChunk:
+    """While the decoder runs one latent frame, its causal convs, temporal upsamplers and
+    mid-block attention read their state from `conv_in`/`kv_in` and append the next to
+    `conv_out`/`kv_out`, in call order. first: the clip's first latent frame (convs pad time
+    with it replicated, upsamplers treat it as the first frame); t: the frame's index (a 0-d
+    int tensor)."""
+
+    def __init__(self, first, conv_in, kv_in, t, kv_frames):
+        self.first, self.t, self.kv_frames = first, t, kv_frames
+        self.conv_in, self.kv_in = iter(conv_in), iter(kv_in)
+        self.conv_out, self.kv_out = [], []
+
+    def conv(self, m, x):
+        kt = m.time_causal_padding[4]
+        if kt:
+            front = x[:, :, :1].expand(-1, -1, kt, -1, -1) if self.first else next(self.conv_in)
+            x = torch.cat([front, x], dim=2)
+            self.conv_out.append(x[:, :, -kt:])
+        pw, _, ph, _, _, _ = m.time_causal_padding
+        if m.pad_mode != "replicate" or ph != 1:
+            return m.conv(F.pad(x, (pw, pw, ph, ph, 0, 0), mode=m.pad_mode))
+        return _replicate_rows_conv(m.conv, F.pad(x, (pw, pw, 0, 0, 0, 0), mode="replicate"))
+
+    def upsample(self, m, x):
+        """Every frame of a steady chunk takes the upsampler's "next frames" path."""
+        if self.first or not m.add_temporal_upsample:
+            return type(m).forward(m, x)
+        up = m._dcae_upsample_rearrange
+        h = up(m.conv(x), r1=2, r2=2, r3=2)
+        shortcut = up(x, r1=2, r2=2, r3=2).repeat_interleave(repeats=m.repeats, dim=1)
+        return h + shortcut
+
+    def attention(self, m, x):
+        """The frame-causal attention of one latent frame against itself and every earlier
+        one: its K/V go into frame slot t of the buffers, later slots are masked out."""
+        identity = x
+        x = m.norm(x)
+        q, k, v = m.to_q(x), m.to_k(x), m.to_v(x)
+        b, c, f, h, w = q.shape
+        if f != 1:
+            raise ValueError(f"the chunked HunyuanVideo-1.5 decode runs one latent frame per "
+                             f"call; got {f}")
+
+        def tokens(y):  # [B, C, 1, H, W] -> [B, 1, HW, C]
+            return y.reshape(b, c, h * w).permute(0, 2, 1).unsqueeze(1)
+
+        q, k, v = tokens(q), tokens(k), tokens(v)
+        frame = torch.arange(self.kv_frames * h * w, device=q.device) // (h * w)  # key -> frame
+        slot = (frame == self.t)[None, None, :, None]
+        if self.first:
+            k_all = torch.zeros((b, 1, self.kv_frames * h * w, c), dtype=k.dtype, device=k.device)
+            v_all = torch.zeros_like(k_all)
+        else:
+            k_all, v_all = next(self.kv_in), next(self.kv_in)
+        k_all = torch.where(slot, k.repeat(1, 1, self.kv_frames, 1), k_all)
+        v_all = torch.where(slot, v.repeat(1, 1, self.kv_frames, 1), v_all)
+        self.kv_out += [k_all, v_all]
+        mask = torch.where(frame <= self.t, 0.0, float("-inf")).to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[None, None, None, :])
+        out = out.squeeze(1).reshape(b, h, w, c).permute(0, 3, 1, 2).unsqueeze(2)
+        return m.proj_out(out) + identity
+
+
+def _replicate_rows_conv(conv, x):
+    """conv(x with its first and last rows replicated once), as a conv zero-padding the rows
+    plus each border row's missing term (the kernel's outer row applied to that border row):
+    the same sum, but on rows split over devices XLA exchanges one-row halos, where a
+    replicate pad of the split axis moves every row to another device first."""
+    w = conv.weight
+    y = F.conv3d(x, w, conv.bias, conv.stride, (0, 1, 0), conv.dilation, conv.groups)
+    top = F.conv3d(x[:, :, :, :1], w[:, :, :, :1], None, conv.stride, 0, conv.dilation, conv.groups)
+    bottom = F.conv3d(x[:, :, :, -1:], w[:, :, :, -1:], None, conv.stride, 0, conv.dilation,
+                      conv.groups)
+    row = torch.arange(y.shape[3], device=y.device)[:, None]
+    return y + torch.where(row == 0, top, 0.0) + torch.where(row == y.shape[3] - 1, bottom, 0.0)
+
+
+def _patched(vae, chunk: _HunyuanChunk):
+    """The decoder's causal convs, upsamplers and attention blocks routed through `chunk`."""
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as hy
+
+    return _routed(vae.decoder, {
+        hy.HunyuanVideo15CausalConv3d: lambda m, x: chunk.conv(m, x),
+        hy.HunyuanVideo15Upsample: lambda m, x: chunk.upsample(m, x),
+        hy.HunyuanVideo15AttnBlock: lambda m, x: chunk.attention(m, x)})
+
+
+def _hunyuan_chunk(vae, z, conv_state, kv_state, t, *, first, kv_frames):
+    chunk = _HunyuanChunk(first, conv_state, kv_state, t, kv_frames)
+    with _patched(vae, chunk):
+        out = vae.decoder(z)
+    return out, chunk.conv_out, chunk.kv_out
+
+
+# --- the decoder ---------------------------------------------------------------------------------
+
+class JaxVaeDecoder:
+    """Decodes [1, C, F, H, W] VAE latents (already de-normalised: `modules.vae.to_vae_latents`)
+    into the video [1, 3, 4(F-1)+1, H*s, W*s] as float32 numpy, on JAX.
+
+    vae: a diffusers AutoencoderKLWan / AutoencoderKLHunyuanVideo15 or PixelLatents, on the
+    host in the dtype to compute in (its weights are copied to the devices once).
+    mesh: a 1-D mesh (`make_mesh`) to split the frame's rows over; None: one device.
+    """
+
+    def __init__(self, vae, mesh: Mesh | None = None):
+        self.torchax = import_torchax()
+        self.env = self.torchax.default_env()
+        self.family = family(vae)
+        self.vae, self.mesh = vae, mesh
+        self.module = _Decode(vae)
+        self.dtype = next(iter(vae.parameters()), torch.zeros(())).dtype
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        self.params = {name: self._put(t, self._replicated()) for name, t in tensors.items()}
+        devices = tuple(d.id for d in mesh.devices.flat) if mesh is not None else None
+        config = sorted((k, repr(v)) for k, v in dict(getattr(vae, "config", {})).items())
+        self._arch = (type(vae).__name__, tuple(config), str(self.dtype), devices)
+        # (latent shape of one frame, kv_frames) -> (first, steady)
+        self._programs = _COMPILED.setdefault(self._arch, {})
+
+    # placement ------------------------------------------------------------------------------
+
+    def _replicated(self):
+        return None if self.mesh is None else NamedSharding(self.mesh, P())
+
+    def _rows(self, ndim=5):
+        return None if self.mesh is None or ndim != 5 else NamedSharding(self.mesh, _ROWS)
+
+    def _put(self, tensor: torch.Tensor, sharding):
+        if tensor.dtype == torch.bfloat16:  # numpy has no bf16: through torchax's mapping
+            array = self.env.t2j_copy(tensor.detach().contiguous())
+            return array if sharding is None else jax.device_put(array, sharding)
+        return jax.device_put(tensor.detach().cpu().numpy(), sharding)
+
+    def _state_shardings(self, abstract):
+        """Cached frames split by rows like the activations; K/V buffers replicated."""
+        return jax.tree.map(lambda a: self._rows(a.ndim) or self._replicated(), abstract)
+
+    # programs -------------------------------------------------------------------------------
+
+    def _trace(self, fn):
+        module, env = self.module, self.env
+
+        def traced(params, *args):
+            with env, torch.no_grad():
+                return torch.func.functional_call(module, params, (fn, *args))
+
+        return self.torchax.interop.jax_view(traced)
+
+    def kv_frames(self, frames: int) -> int:
+        return math.ceil(frames / KV_BUCKET) * KV_BUCKET
+
+    def prepare(self, latent_shape) -> tuple:
+        """Compile (once per frame size and K/V bucket) the first and steady programs for
+        latents of `latent_shape`; returns the compiled pair."""
+        b, c, frames, h, w = latent_shape
+        if self.mesh is not None and h % self.mesh.size:
+            raise ValueError(f"latent height {h} does not split over {self.mesh.size} devices; "
+                             f"use a device count dividing it")
+        kv = self.kv_frames(frames) if self.family == "hunyuan" else 0
+        key = ((b, c, h, w), kv) if self.family != "pixels" else tuple(latent_shape)
+        if key in self._programs:
+            return self._programs[key]
+        dt = jax.numpy.dtype(str(self.dtype).removeprefix("torch."))
+        if self.family == "pixels":
+            z = jax.ShapeDtypeStruct(tuple(latent_shape), dt, sharding=self._rows())
+            program = jax.jit(self._trace(lambda vae, z: vae.decode(z)[0].float()),
+                              out_shardings=self._rows())
+            self._programs[key] = (program.lower(self.params, z).compile(), None)
+            return self._programs[key]
+        z = jax.ShapeDtypeStruct((b, c, 1, h, w), dt, sharding=self._rows())
+        if self.family == "wan":
+            def first_fn(vae, z):
+                out, state = _wan_first(vae, z)
+                return out.float(), state
+
+            def steady_fn(vae, z, state):
+                out, state = _wan_steady(vae, z, state)
+                return out.float(), state
+        else:
+            def first_fn(vae, z):
+                out, conv, kvs = _hunyuan_chunk(vae, z, [], [], 0, first=True, kv_frames=kv)
+                return out.float(), (conv, kvs)
+
+            def steady_fn(vae, z, state, t):
+                out, conv, kvs = _hunyuan_chunk(vae, z, state[0], state[1], t, first=False,
+                                                kv_frames=kv)
+                return out.float(), (conv, kvs)
+
+        first_abstract = jax.eval_shape(self._trace(first_fn), self.params, z)
+        state = self._state_shardings(first_abstract[1])
+        outs = (self._rows(), state)
+        first = jax.jit(self._trace(first_fn), out_shardings=outs).lower(self.params, z).compile()
+        s_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             first_abstract[1], state)
+        steady = jax.jit(self._trace(steady_fn), out_shardings=outs)
+        if self.family == "wan":
+            steady = steady.lower(self.params, z, s_abs).compile()
+        else:
+            t = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=self._replicated())
+            steady = steady.lower(self.params, z, s_abs, t).compile()
+        self._programs[key] = (first, steady)
+        return self._programs[key]
+
+    # the loop -------------------------------------------------------------------------------
+
+    def decode(self, z: torch.Tensor) -> np.ndarray:
+        """The video, float32 [1, 3, frames, height, width] in the VAE's output range."""
+        first, steady = self.prepare(tuple(z.shape))
+        z = z.to(self.dtype)
+        if self.family == "pixels":
+            return np.asarray(first(self.params, self._put(z, self._rows())))
+        chunks = []
+        out, state = first(self.params, self._put(z[:, :, :1], self._rows()))
+        chunks.append(out)
+        for i in range(1, z.shape[2]):  # host slices and transfers: no device op to compile
+            frame = self._put(z[:, :, i:i + 1], self._rows())
+            if self.family == "wan":
+                out, state = steady(self.params, frame, state)
+            else:
+                t = jax.device_put(np.int32(i), self._replicated())
+                out, state = steady(self.params, frame, state, t)
+            chunks.append(out)
+        return np.concatenate([np.asarray(c) for c in chunks], axis=2)
+
+    def compile_counts(self):
+        return compile_counts()
