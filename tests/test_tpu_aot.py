@@ -79,25 +79,53 @@ def test_sequence_parallel_mesh_compiles_with_one_signal_reduction(slice_v6e):
     assert "all-reduce" not in middle.collectives
 
 
-@pytest.mark.xfail(reason="with the middle scanned (tpu/scan.py) the tiny middle gathers 30 "
-                   "times (51200 B), not >= 42 (61440 B): open, see issue 24 scan report")
-def test_fsdp_splits_block_weights_over_the_slice_and_gathers_them_per_block(slice_v6e):
+def test_fsdp_splits_block_weights_over_the_slice_and_gathers_them_per_block(slice_v6e,
+                                                                            monkeypatch):
+    """FSDP with the middle scanned (tpu/scan.py): the stacked weights stay split, and the loop
+    gathers one block's slice of each per iteration, inside its body: every middle block's
+    split weights are gathered whole once per call, and no stack is ever gathered whole."""
     _, devices = slice_v6e
     config = CMConfig(deepcache=DeepCacheConfig())
     whole, models = _compile(devices, "hunyuanvideo-tiny", config, sp=4, weights="replicated")
+    texts, record = {}, aot.AotBackend._record
+
+    def keep(self, name, compiled, *rest):
+        texts.setdefault(name, compiled.as_text())
+        return record(self, name, compiled, *rest)
+    monkeypatch.setattr(aot.AotBackend, "_record", keep)
     split, _ = _compile(devices, "hunyuanvideo-tiny", config, sp=4)  # the default on a mesh
     assert split.weight_sharding == "fsdp" and whole.weight_sharding == "replicated"
     model = models[None]
-    blocks = model.num_blocks
     # 2-D block weights divisible by 4 chips lie split; everything else whole
     expected = sum(p.numel() * p.element_size() // (4 if n.startswith("double_blocks.")
                                                     and p.ndim == 2 and p.shape[0] % 4 == 0 else 1)
                    for n, p in model.named_parameters())
     assert split.expert_bytes[None] == expected < whole.expert_bytes[None]
-    gathers = split.program("middle").collectives["all-gather"]["count"] - \
-        whole.program("middle").collectives.get("all-gather", {}).get("count", 0)
-    per_block = sum(p.ndim == 2 for p in model.double_blocks[0].parameters())
-    assert gathers >= (blocks - 1) * per_block  # the middle's blocks gather their own weights
+    # the middle's blocks are one scanned run; its stacks keep each block's split, axis 0 whole
+    (run,) = split.runs
+    assert split.middle_blocks == [run] and run.stop - run.start == 3
+    for key in run.keys:
+        w = split.params[None][f"model.{key}"]
+        if w.ndim == 3:
+            assert w.sharding.spec[0] is None and w.sharding.shard_shape(w.shape)[1] == w.shape[1] // 4
+    # per call: every middle block's split weights gathered whole once (beside the K/V gathers
+    # both layouts make)
+    per_block = [p for p in model.double_blocks[0].parameters() if p.ndim == 2]
+    middle = run.stop - run.start
+    s, w = split.program("middle").collectives["all-gather"], \
+        whole.program("middle").collectives.get("all-gather", {"count": 0, "bytes": 0})
+    assert s["count"] - w["count"] >= middle  # (XLA may combine a block's gathers)
+    assert s["bytes"] - w["bytes"] == middle * sum(p.numel() * p.element_size() for p in per_block)
+    # where: all inside the loop body, run once per block, each of one block's slice [1, ...]
+    hlo = texts["middle"]
+    (_, whiles), = aot.loops(hlo).items()
+    (body, trips), = whiles
+    assert trips == middle
+    gathers = [(c, line) for c, line in aot._lines(hlo) if " all-gather(" in line
+               or " all-gather-start(" in line]
+    assert gathers and {c for c, _ in gathers} == {body}
+    shapes = {aot._ARRAY.search(line.split("=", 1)[1]).group(2) for _, line in gathers}
+    assert all(d.split(",")[0] == "1" for d in shapes), shapes  # never a whole stack of 3
 
 
 def test_collective_accounting_reads_every_replica_group_form():
@@ -207,6 +235,8 @@ def test_a_scanned_middle_costs_what_the_unrolled_one_does(slice_v6e):
     assert s.flops == pytest.approx(u.flops, rel=0.01)
     assert s.kernel_flops == u.kernel_flops > 0  # the splash kernel, once per block
     assert s.argument_bytes == pytest.approx(u.argument_bytes, rel=0.1)  # tiling of small stacks
+    # FSDP: the loop gathers each block's weights in its body, as the unrolled blocks do
+    assert s.collectives == u.collectives and s.collectives["all-gather"]["count"] > 0
 
 
 def test_loop_accounting_counts_a_body_per_iteration():
@@ -226,3 +256,27 @@ def test_loop_accounting_counts_a_body_per_iteration():
     ])
     assert aot.loops(hlo) == {"main": [("body", 5)]}
     assert aot.collectives(hlo)["all-gather"]["count"] == 6
+
+
+def test_loop_accounting_reads_past_a_kernel_whose_text_runs_over_lines():
+    """A Mosaic kernel's custom call carries metadata with newlines; a line of it starting `}}`
+    does not end the computation (it did: the loop body's collectives after the splash kernel
+    counted once, not once per iteration)."""
+    hlo = "\n".join([
+        "HloModule m",
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %k = f32[8]{0} custom-call(%x), custom_call_target=\"tpu_custom_call\", "
+        "frontend_attributes={kernel_metadata={",
+        "\"xprof_metadata\":\"{\\\"block_q\\\": 128}\"",
+        "}}, metadata={op_name=\"splash\"}",
+        "  %ag = f32[8]{0} all-gather(%k), replica_groups=[2,4]<=[8], dimensions={0}",
+        "}",
+        "ENTRY %main (a: f32[8]) -> f32[8] {",
+        "  %k2 = f32[8]{0} custom-call(%a), custom_call_target=\"tpu_custom_call\", x={",
+        "}}",
+        "  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, "
+        "backend_config={\"known_trip_count\":{\"n\":\"7\"}}",
+        "}",
+    ])
+    assert aot.loops(hlo) == {"main": [("body", 7)]}
+    assert aot.collectives(hlo)["all-gather"]["count"] == 7

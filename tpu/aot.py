@@ -184,10 +184,8 @@ def collectives(hlo: str) -> dict[str, dict]:
     An async pair counts once, at its -start; its result tuple holds operand and result, and
     the result is the larger. One inside a loop counts once per iteration."""
     out: dict[str, dict] = {}
-    mult, current = multipliers(hlo), None
-    for line in hlo.splitlines():  # lines outside a computation (a fragment) count once
-        header = _HEADER.match(line)
-        current = header.group(2) if header else None if line.startswith("}") else current
+    mult = multipliers(hlo)
+    for current, line in _lines(hlo):  # lines outside a computation (a fragment) count once
         _count_collective(out, line, mult.get(current, 1))
     return out
 
@@ -213,7 +211,29 @@ def _count_collective(out: dict, line: str, times: int) -> None:
     entry["received"] += times * received
 
 
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+# A computation: `[ENTRY ]%name (params) -> result {`, its instructions, then `}` alone on a line.
+# An instruction's text can run over several lines starting at column 0 (a Mosaic kernel's
+# custom call carries its metadata with newlines; one such line starts `}},`), so the end is
+# the bare `}` and nothing else.
+_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\)\s*->.*\{\s*$")
+
+
+def _lines(hlo: str):
+    """(the computation it belongs to, or None), line: of HLO text.
+    A header opens a computation only outside one; the bare `}` closes it."""
+    current = None
+    for line in hlo.splitlines():
+        if current is None:
+            m = _HEADER.match(line)
+            if m:
+                current = m.group(2)
+                yield current, line
+                continue
+        elif line.rstrip() == "}":
+            current = None
+        yield current, line
+
+
 _WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _REF = re.compile(r"%([\w.\-]+)")
@@ -221,17 +241,16 @@ _REF = re.compile(r"%([\w.\-]+)")
 
 def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     """name -> its lines, and the entry's name, of an HLO module's text."""
-    comps, entry, current = {}, None, None
-    for line in hlo.splitlines():
-        m = _HEADER.match(line)
-        if m:
-            current = m.group(2)
+    comps, entry, last = {}, None, None
+    for current, line in _lines(hlo):
+        if current is None:
+            pass
+        elif current != last:  # its header
             comps[current] = []
-            entry = current if m.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif current is not None:
+            entry = current if line.startswith("ENTRY ") else entry
+        else:
             comps[current].append(line)
+        last = current
     return comps, entry
 
 
