@@ -95,20 +95,39 @@ class _Config(dict):
     __getattr__ = dict.__getitem__
 
 
-class PixelLatents(torch.nn.Module):
-    """The trivially invertible latent mapping of the tiny models trained in pixel space
-    (issue 28): the latent is the clip, channels first, in [-1, 1]; decode is the identity."""
+def pixels_to_deltas(video: torch.Tensor) -> torch.Tensor:
+    """[..., C, F, H, W] in [-1, 1] -> the causal latent: frame 0 as it is, then each frame's
+    change from the one before, halved (so it stays in [-1, 1]). Like a causal video VAE (whose
+    first latent frame is the first frame alone), it makes time run one way: reversed, the
+    latent is not one the data holds, and a motion is a signed pair of blobs within one
+    latent frame, not only an order between frames."""
+    first = video[..., :1, :, :]
+    return torch.cat([first, 0.5 * (video[..., 1:, :, :] - video[..., :-1, :, :])], dim=-3)
 
-    def __init__(self, channels: int = 3):
+
+def deltas_to_pixels(z: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pixels_to_deltas` (a running sum over frames)."""
+    first, changes = z[..., :1, :, :], 2.0 * z[..., 1:, :, :]
+    return torch.cat([first, first + torch.cumsum(changes, dim=-3)], dim=-3)
+
+
+class PixelLatents(torch.nn.Module):
+    """The trivially invertible latent mappings of the tiny models trained in pixel space
+    (issue 28): the clip, channels first, in [-1, 1]; with `deltas`, its causal form
+    (`pixels_to_deltas`). Decode inverts it and clamps to [-1, 1]."""
+
+    def __init__(self, channels: int = 3, deltas: bool = False):
         super().__init__()
+        self.deltas = deltas
         self.config = _Config(z_dim=channels, scaling_factor=1.0, scale_factor_spatial=1,
                               scale_factor_temporal=1)
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
-        return video.clamp(-1.0, 1.0)
+        video = video.clamp(-1.0, 1.0)
+        return pixels_to_deltas(video) if self.deltas else video
 
     def decode(self, z: torch.Tensor, return_dict: bool = False):
-        return (z.clamp(-1.0, 1.0),)
+        return ((deltas_to_pixels(z) if self.deltas else z).clamp(-1.0, 1.0),)
 
 
 PIXELS = VaeSpec("pixels", "PixelLatents", 3, (1, 1), config={})
