@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from modules.vae import (
-    PIXELS,
+    PIXEL_SPECS,
     TINY_VAE_SEED,
     VaeError,
     build_tiny,
@@ -205,7 +205,7 @@ def _backend(args, world: int) -> str:
 def build_vae(pipe, vae_path, dtype):
     """(vae, description): from the checkpoint, or tiny random weights from a fixed seed."""
     spec = spec_for(pipe)
-    if spec is PIXELS:
+    if spec.name in PIXEL_SPECS:
         if vae_path is not None:
             load_vae(spec, vae_path, dtype)  # refuses: a pixel-space model has no VAE
         return build_tiny(spec, pipe.latent_channels), "none (the latent is the clip)"

@@ -120,7 +120,7 @@ class PixelLatents(torch.nn.Module):
         super().__init__()
         self.deltas = deltas
         self.config = _Config(z_dim=channels, scaling_factor=1.0, scale_factor_spatial=1,
-                              scale_factor_temporal=1)
+                              scale_factor_temporal=1, deltas=deltas)
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         video = video.clamp(-1.0, 1.0)
@@ -131,6 +131,8 @@ class PixelLatents(torch.nn.Module):
 
 
 PIXELS = VaeSpec("pixels", "PixelLatents", 3, (1, 1), config={})
+PIXEL_DELTAS = VaeSpec("pixel-deltas", "PixelLatents", 3, (1, 1), config={"deltas": True})
+PIXEL_SPECS = {spec.name: spec for spec in (PIXELS, PIXEL_DELTAS)}  # by Pipeline.latent
 
 
 def spec_for(pipe) -> VaeSpec:
@@ -138,7 +140,7 @@ def spec_for(pipe) -> VaeSpec:
     if pipe.family == "hunyuan_video15":
         spec = VAES["hunyuanvideo-1.5-vae"]
     elif pipe.family == "wan" and tuple(pipe.vae_stride) == PIXELS.stride:
-        spec = PIXELS
+        spec = PIXEL_SPECS[pipe.latent or PIXELS.name]
     elif pipe.family == "wan":
         spec = VAES["wan2.1-vae" if pipe.vae_stride[1] == 8 else "wan2.2-vae"]
     else:
@@ -161,8 +163,8 @@ TINY_VAE_SEED = 0
 
 def build_tiny(spec: VaeSpec, z_dim: int, seed: int = TINY_VAE_SEED, dtype=torch.float32):
     """A random-weight VAE of the spec's architecture; the same seed gives the same weights."""
-    if spec is PIXELS:
-        return PixelLatents(z_dim)
+    if spec.name in PIXEL_SPECS:
+        return PixelLatents(z_dim, **spec.config)
     cls = _diffusers_class(spec)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -183,7 +185,7 @@ _CONFIG = "config.json"
 
 def load_vae(spec: VaeSpec, path: str, dtype=torch.float32):
     """A VAE from a diffusers folder (config.json + weights) or a single weights file."""
-    if spec is PIXELS:
+    if spec.name in PIXEL_SPECS:
         raise VaeError(f"--vae_path {path}: this model samples in pixel space (its latent is the "
                        "clip itself); expected no --vae_path")
     if not os.path.exists(path):

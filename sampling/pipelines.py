@@ -73,6 +73,7 @@ class Pipeline:
     fps: float = 24.0  # of the decoded video (the official sample_fps)
     enlarge: int = 1  # stage 3 writes the video this many times larger (nearest neighbour)
     encoders: str | None = None  # stage 1's module in encoders/ (None: the family's)
+    latent: str | None = None  # pixel-space models: "pixels" or "pixel-deltas" (modules.vae)
 
     @property
     def builtin_path(self) -> str | None:

@@ -2,9 +2,11 @@
 
 import numpy as np
 import pytest
+import torch
 
 from bench.fixtures import analyser
 from bench.fixtures import videos as V
+from modules.vae import PixelLatents
 
 
 def test_split_is_fixed_disjoint_and_covers_every_attribute():
@@ -51,6 +53,13 @@ def test_prompts_latents_and_text_encoder_round_trip(tmp_path):
     assert two.prompt == "red circle moves right and green square moves up on blue"
     video = V.render(two, (2, 6))
     assert np.allclose(V.from_latent(V.to_latent(video)), video)
+    deltas = V.to_latent(video, "deltas")  # causal: frame 0, then halved changes
+    assert np.allclose(deltas[:, 0], V.to_latent(video)[:, 0]) and np.abs(deltas).max() <= 1.0
+    assert np.allclose(deltas[:, 1:], (V.to_latent(video)[:, 1:] - V.to_latent(video)[:, :-1]) / 2)
+    assert np.allclose(V.from_latent(deltas, "deltas"), video, atol=1e-6)
+    vae = PixelLatents(3, deltas=True)  # the product's decode of the same mapping
+    z = torch.from_numpy(deltas)[None]
+    assert torch.allclose(vae.encode(vae.decode(z)[0]), z, atol=1e-6)
     enc = V.TextEncoder(0)
     e = enc.encode(two.prompt)
     assert e.shape == (V.TEXT_LEN, V.TEXT_DIM) and not e[11:].any()
