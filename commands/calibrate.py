@@ -78,6 +78,9 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
     """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
     the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
     draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
+    from cache.flags import config_from_fields
+    from sampling.fidelity import fidelity
+
     backends = {}
     blocks = pipe.config.num_layers
 
@@ -94,35 +97,27 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
         ran = sum(blocks if r["action"] == "compute" else reuse for r in rows)
         return backend.get(traj.latents), ran / (blocks * len(rows))
 
-    draws = len(tensors_by_seed)
-    with progress.bar(draws * (1 + len(space)), "calibrating (configuration x draw)",
-                      unit="run") as shown:
+    out = []
+    runs = len(tensors_by_seed) * (1 + len(space))
+    with progress.bar(runs, "calibrating (configuration x draw)", unit="run") as shown:
         refs = {}
         for seed, t in tensors_by_seed.items():
             shown.set_postfix_str(f"uncached, seed {seed}", refresh=False)
             refs[seed] = once(CMConfig(), seed, t)[0]
             shown.update(1)
-        return _measure_each(space, tensors_by_seed, refs, once, shown, log)
-
-
-def _measure_each(space, tensors_by_seed, refs, once, shown, log):
-    from cache.flags import config_from_fields
-    from sampling.fidelity import fidelity
-
-    out = []
-    for label, fields in space:
-        config = config_from_fields(fields)
-        errors, fractions = [], []
-        for seed, tensors in tensors_by_seed.items():
-            shown.set_postfix_str(f"{label}, seed {seed}", refresh=False)
-            latents, fraction = once(config, seed, tensors)
-            errors.append(float(fidelity(latents, refs[seed])["rel_l2"]))
-            fractions.append(float(fraction))
-            shown.update(1)
-        out.append({"label": label, "config": fields, "rel_l2": errors, "computed": fractions})
-        if log is not None:
-            log(f"  {label}: rel L2 {' '.join(f'{e:.2e}' for e in errors)}, computed "
-                f"{' '.join(f'{f:.3f}' for f in fractions)}")
+        for label, fields in space:
+            config = config_from_fields(fields)
+            errors, fractions = [], []
+            for seed, tensors in tensors_by_seed.items():
+                shown.set_postfix_str(f"{label}, seed {seed}", refresh=False)
+                latents, fraction = once(config, seed, tensors)
+                errors.append(float(fidelity(latents, refs[seed])["rel_l2"]))
+                fractions.append(float(fraction))
+                shown.update(1)
+            out.append({"label": label, "config": fields, "rel_l2": errors, "computed": fractions})
+            if log is not None:
+                log(f"  {label}: rel L2 {' '.join(f'{e:.2e}' for e in errors)}, computed "
+                    f"{' '.join(f'{f:.3f}' for f in fractions)}")
     return out
 
 

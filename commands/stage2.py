@@ -707,12 +707,17 @@ def _profile_files(args, config: CMConfig) -> list[tuple[str, str]]:
     return files
 
 
-def check_profile_weights(args, r, fingerprints: dict) -> list[str]:
+def check_profile_weights(args, r, fingerprints_of) -> list[str]:
     """Refuse a calibrated profile measured on other weights than these (unless
-    --accept_profile); warnings for a profile that records none (written before it did)."""
+    --accept_profile); warnings for a profile that records none (written before it did).
+    `fingerprints_of()` -> expert -> fingerprint, asked only when a profile file is in use."""
+    files = _profile_files(args, r["config"])
+    if not files:
+        return []
     notes = []
-    fingerprints = json.loads(json.dumps(fingerprints))  # as a profile holds them (None -> "null")
-    for flag, path in _profile_files(args, r["config"]):
+    # as a profile holds them (JSON keys: expert None -> "null")
+    fingerprints = json.loads(json.dumps(fingerprints_of()))
+    for flag, path in files:
         try:
             with open(path) as fh:
                 recorded = json.load(fh).get("weights_fingerprint")
@@ -779,18 +784,16 @@ def _load(args, r, plan, layout):
     pipe = r["pipe"]
     if args.backend != "jax" or args.model_path is None:
         models = load_models(pipe, args.model_path, r["dtype"])
-        if _profile_files(args, r["config"]):
-            r["warnings"] = check_profile_weights(
-                args, r, {e: model_fingerprint(m) for e, m in models.items()})
+        r["warnings"] = check_profile_weights(
+            args, r, lambda: {e: model_fingerprint(m) for e, m in models.items()})
         return make_backend(args, models, plan, layout), None
     began = time.perf_counter()
     opened = open_models(pipe, args.model_path, r["dtype"])
     opening = time.perf_counter() - began
     readers = {expert: reader for expert, (_, reader) in opened.items()}
     try:
-        if _profile_files(args, r["config"]):  # before any weight is placed
-            r["warnings"] = check_profile_weights(
-                args, r, {e: reader_fingerprint(m, rd) for e, (m, rd) in opened.items()})
+        r["warnings"] = check_profile_weights(  # before any weight is placed
+            args, r, lambda: {e: reader_fingerprint(m, rd) for e, (m, rd) in opened.items()})
         backend = make_backend(args, {e: model for e, (model, _) in opened.items()}, plan, layout,
                                checkpoints=readers)
     finally:

@@ -16,6 +16,7 @@ from typing import Callable
 
 from . import progress
 from .interrupt import Interrupted, handled
+from .stage_io import StageFileError, atomic_write, check_writable_file
 
 
 class UsageError(ValueError):
@@ -51,9 +52,10 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
         args = parser.parse_args(argv)
         progress.configure(quiet=getattr(args, "quiet", False), verbose=getattr(args, "verbose", 0))
         summary_json = getattr(args, "summary_json", None)
-        if summary_json is not None and not os.path.isdir(os.path.dirname(summary_json) or "."):
-            print(f"{parser.prog}: error: --summary_json {summary_json}: its folder does not exist; "
-                  "expected a file in an existing folder", file=sys.stderr)
+        try:  # before any work, as every other report path
+            check_writable_file("--summary_json", summary_json)
+        except StageFileError as exc:
+            print(f"{parser.prog}: error: {exc}", file=sys.stderr)
             return 2
         with handled():
             try:
@@ -79,20 +81,10 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
                 return 128 + signum
         if speaks(report):
             print(format_summary(report))
-            if summary_json is not None:
-                write_summary_json(summary_json, report)
+            if summary_json is not None:  # numbers and strings; anything else by its str
+                atomic_write(summary_json, lambda f: json.dump(report, f, indent=2, default=str))
         return 0
     return main
-
-
-def write_summary_json(path: str, report: dict) -> None:
-    """The report as JSON (numbers and strings; anything else by its str), written whole or not
-    at all."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(report, fh, indent=2, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
 
 
 # --- help: the common flags one screen, one line each; --help_all for the rest -------------------

@@ -208,7 +208,7 @@ class JaxBackend:
                 specs[run.stacked(k)] = loading.WeightSpec(
                     (len(members), *p.shape), p.dtype, self._stacked_sharding(name, tuple(p.shape)))
                 stacks[run.stacked(k)] = members
-        in_runs = {n for members in stacks.values() for n in members}
+        in_runs = set().union(*(run.members for run in self.runs))
         for name, p in params.items():
             if name not in in_runs:
                 specs[name] = loading.WeightSpec(tuple(p.shape), p.dtype,
@@ -270,8 +270,7 @@ class JaxBackend:
             impl = ATTENTION
         scanned = isinstance(stage, Middle) and bool(self.runs)
         stacked = [f"model.{k}" for r in self.runs for k in r.keys] if scanned else []
-        in_runs = {f"model.{n}" for r in self.runs for names in r.names for n in names} \
-            if scanned else set()
+        in_runs = {f"model.{n}" for r in self.runs for n in r.members} if scanned else set()
         names = [n for n, _ in stage.named_parameters()
                  if stage.uses_parameter(n) and n not in in_runs]
         absent = {n: torch.empty(p.shape, dtype=p.dtype, device="meta")

@@ -28,6 +28,11 @@ class Run(NamedTuple):
         return f"{self.names[0][k]}[{self.start}:{self.stop}]"
 
     @property
+    def members(self) -> set[str]:
+        """Every parameter name of every block of the run (placed only stacked)."""
+        return {n for names in self.names for n in names}
+
+    @property
     def keys(self) -> tuple[str, ...]:
         return tuple(self.stacked(k) for k in range(len(self.names[0])))
 
