@@ -49,6 +49,20 @@ ROWS = [
     ("a14b-v5e16-cfg", "--model wan2.2-i2v-a14b --topology v5e:4x4 --sp_size 8 --cfg_parallel"),
     ("a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1 --sp_size 4"),
 ]
+# Stage 3: each pipeline's VAE decode at its default size (stage 3's default fp32), beside the
+# stage-2 row whose roofline run it is measured against
+DECODE_ROWS = [
+    ("vae-ti2v5b-v6e8", "--model wan2.2-ti2v-5b --topology v6e:2x4", "ti2v5b-v6e8"),
+    ("vae-ti2v5b-v5e8", "--model wan2.2-ti2v-5b --topology v5e:2x4", "ti2v5b-v5e8"),
+    ("vae-ti2v5b-v5p4", "--model wan2.2-ti2v-5b --topology v5p:2x2x1", "ti2v5b-v5p4"),
+    ("vae-a14b-v6e8", "--model wan2.2-i2v-a14b --topology v6e:2x4", "a14b-v6e8"),
+    ("vae-a14b-v5e8", "--model wan2.2-i2v-a14b --topology v5e:2x4", "a14b-v5e8"),
+    ("vae-a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1", "a14b-v5p4"),
+    ("vae-hy15-720p-v6e8", "--model hunyuanvideo-1.5-720p_t2v --topology v6e:2x4", "hy15-720p-v6e8"),
+    ("vae-hy15-720p-v5e8", "--model hunyuanvideo-1.5-720p_t2v --topology v5e:2x4", "hy15-720p-v5e8"),
+    ("vae-hy15-720p-v5p4", "--model hunyuanvideo-1.5-720p_t2v --topology v5p:2x2x1", "hy15-720p-v5p4"),
+]
+DECODE_SHARE = 0.10  # the decode's roofline against the stage-2 run's, at most
 CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
 V5_BLOCKS = ("v5e and v5p compile splash with 1024-row query blocks (tpu/attention.py "
              "BLOCKS_BY_KIND): the stock 2048-row blocks ask 17.5 MiB (v5e) and 21.6 MiB (v5p) "
@@ -78,6 +92,77 @@ def run_row(name: str, args: str, rerun: bool) -> dict:
     (OUT / f"{name}.txt").write_text(out.stdout)
     print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
     return json.loads(path.read_text())
+
+
+def run_decode_row(name: str, args: str, rerun: bool) -> dict:
+    path = OUT / f"{name}.json"
+    if path.exists() and not rerun:
+        return json.loads(path.read_text())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    began = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "tpu.vae_aot", *args.split(), "--json", str(path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{name}: tpu.vae_aot failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    (OUT / f"{name}.txt").write_text(out.stdout)
+    print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
+    return json.loads(path.read_text())
+
+
+def decode_line(r: dict, stage2: dict | None) -> str:
+    m, chip = r["memory"], r["chip"]
+    verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
+               else f"NO (over by {-m['headroom'] / GiB:.1f})")
+    steady = r["programs"].get("steady", {})
+    if stage2 is None:
+        run2, share = "no report", "-"
+    else:
+        run2 = f"{stage2['seconds']['run_cached']:.1f}"
+        frac = r["roofline_seconds"] / stage2["seconds"]["run_cached"]
+        share = f"{frac:.1%} ({'met' if frac <= DECODE_SHARE else 'NOT met'})"
+    return (f"| {r['model']} ({r['vae']}) | {r['topology']} ({chip['name']}) | {r['devices']} of "
+            f"{r['chips']} | {' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
+            f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
+            f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "
+            f"({max(('compute', 'hbm', 'ici'), key=lambda k: steady.get(k, 0))}) | "
+            f"{r['roofline_seconds']:.2f} | {run2} | {share} |")
+
+
+def decode_lines(only, rerun: bool) -> list[str]:
+    lines = [
+        "## Stage 3: the VAE decode on the same slices",
+        "",
+        "`python bench/tpu_aot.py` (each row: `python -m tpu.vae_aot <row arguments>`). The",
+        "pipeline's released VAE built on the meta device, its decode traced by `tpu.vae` as stage 3",
+        "runs it on JAX (a first program for latent frame 0, a steady one for each further latent",
+        "frame with the causal caches carried; the frame's rows split over the most chips that",
+        "divide the latent height), in fp32 as stage 3's default, compiled for the slice. Per chip:",
+        "GiB of the whole decode (weights, carried caches and inputs, the program's temporaries and",
+        "outputs, and the previous video chunk on its way to the host), TFLOP of the whole clip,",
+        "the steady program's roofline (its bound), the clip's roofline (first + steady per further",
+        "latent frame), and its share of the stage-2 run's roofline with the default cache schedule",
+        f"(the table above); the goal is at most {DECODE_SHARE:.0%}.",
+        "",
+        "| decode | slice | chips used | video (frames x H x W) | fits (GiB left) | GiB per chip "
+        "| compile s | TFLOP | steady ms (bound) | roofline s | stage-2 run s, cached | share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    missing = []
+    for name, row_args, stage2_name in DECODE_ROWS:
+        path = OUT / f"{name}.json"
+        if only is not None and name not in only:
+            if not path.exists():
+                missing.append(name)
+                continue
+            report = json.loads(path.read_text())
+        else:
+            report = run_decode_row(name, row_args, rerun)
+        s2 = OUT / f"{stage2_name}.json"
+        lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
+    if missing:
+        lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
+                  f"--only {','.join(missing)}` adds them."]
+    return lines + [""]
 
 
 def _compile_cell(name: str, r: dict) -> str:
@@ -111,6 +196,8 @@ def main():
     ap.add_argument("--only", help="compile only these rows (names, comma-separated); the others "
                     "come from their reports if present")
     ap.add_argument("--rerun", action="store_true", help="compile again even if a report exists")
+    ap.add_argument("--decode_only", action="store_true", help="compile no stage-2 row (the "
+                    "stage-3 rows named by --only, or all of them, still compile)")
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -140,12 +227,12 @@ def main():
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     only = None if args.only is None else set(args.only.split(","))
-    unknown = (only or set()) - {name for name, _ in ROWS}
+    unknown = (only or set()) - {name for name, _ in ROWS} - {name for name, *_ in DECODE_ROWS}
     if unknown:
         raise SystemExit(f"--only {args.only}: unknown row(s) {sorted(unknown)}; expected names from "
                          f"{', '.join(name for name, _ in ROWS)}")
     for name, row_args in ROWS:
-        if only is not None and name not in only:
+        if only is not None and name not in only or args.decode_only:
             path = OUT / f"{name}.json"
             if not path.exists():
                 continue
@@ -167,6 +254,7 @@ def main():
     if missing:
         lines += [f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--only {','.join(missing)}` adds them.", ""]
+    lines += decode_lines(only, args.rerun)
     (ROOT / "bench" / "results" / "tpu_aot.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -302,7 +302,7 @@ def _run_jax(args, r):
     pipe = r["pipe"]
     vae, vae_name = build_vae(pipe, args.vae_path, r["dtype"])
     z = to_vae_latents(vae, r["latents"].to(dtype=r["dtype"]))
-    devices = mesh_size(z.shape[3], len(jax.devices()))
+    devices = mesh_size(z.shape[3], z.shape[4], len(jax.devices()))
     decoder = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
     began = time.perf_counter()
     decoder.prepare(tuple(z.shape))  # both programs compile here, none in the decode loop

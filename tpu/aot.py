@@ -383,6 +383,25 @@ class Program:
         return self.activation_bytes + self.temp_bytes + self.output_bytes
 
 
+def record(name: str, compiled, seconds: float, *, weight_bytes: int, activation_bytes: int,
+           kernels=()) -> Program:
+    """What the compiler says of one compiled program, per chip. `kernels`: the Pallas kernels
+    traced into it (`attention.kernel_costs`), whose work the compiler's cost analysis omits."""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX returns one dict per partition
+        cost = cost[0]
+    kernel_flops = sum(k.flops for k in kernels)  # scaled by loop trips when traced
+    hlo = compiled.as_text()
+    loop_flops, loop_bytes = loop_costs(hlo)
+    return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                   memory.temp_size_in_bytes, weight_bytes, activation_bytes,
+                   float(cost.get("flops", 0.0)) + loop_flops + kernel_flops,
+                   float(cost.get("bytes accessed", 0.0)) + loop_bytes
+                   + sum(k.extra_bytes for k in kernels),
+                   kernel_flops, collectives(hlo))
+
+
 _TORCH_TO_JAX = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16,
                  torch.float16: jnp.float16, torch.bool: jnp.bool_, torch.int32: jnp.int32,
                  torch.int64: jnp.int64, torch.uint8: jnp.uint8, torch.int8: jnp.int8}
@@ -454,21 +473,10 @@ class AotBackend(JaxBackend):
         return self._outputs[key]
 
     def _record(self, name, compiled, leaves, kernels, seconds) -> Program:
-        memory = compiled.memory_analysis()
-        cost = compiled.cost_analysis() or {}
-        if isinstance(cost, list):  # older JAX returns one dict per partition
-            cost = cost[0]
         weights = sum(chip_bytes(a) for a in leaves if id(a) in self._weight_ids)
         computed = sum(chip_bytes(a) for a in leaves if id(a) not in self._persistent)
-        kernel_flops = sum(k.flops for k in kernels)  # scaled by loop trips when traced
-        hlo = compiled.as_text()
-        loop_flops, loop_bytes = loop_costs(hlo)
-        return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
-                       memory.temp_size_in_bytes, weights, computed,
-                       float(cost.get("flops", 0.0)) + loop_flops + kernel_flops,
-                       float(cost.get("bytes accessed", 0.0)) + loop_bytes
-                       + sum(k.extra_bytes for k in kernels),
-                       kernel_flops, collectives(hlo))
+        return record(name, compiled, seconds, weight_bytes=weights, activation_bytes=computed,
+                      kernels=kernels)
 
     # Nothing is read back: the gate sees zero signals, which is all warm-up needs.
     def read_signals(self, signals):

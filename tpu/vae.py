@@ -21,9 +21,13 @@ loop calls the compiled executables, so it can compile nothing.
         clips of 1-8 latent frames share programs, 9-16 the next pair, ...), masked by frame.
     PixelLatents (the pixel-space tiny model): the clamp, one program of the whole clip.
 
-On a mesh of several devices (1-D, axis "h") the latent rows, every cached frame and the video
-are split by height, the weights replicated, and XLA partitions the convolutions (GSPMD: each
-3x3 conv exchanges a row of halo with its neighbours by collective-permute).
+On a mesh of several devices (1-D, axis "s") the latent frame, every cached frame and the video
+are split by rows, or by columns where the rows do not divide (`split_plan`), the weights
+replicated, and XLA partitions the convolutions (GSPMD: each 3x3 conv exchanges a line of halo
+with its neighbours by collective-permute). The mesh takes a divisor of the device count: a TPU
+compile refuses collectives over groups that do not tile the devices (libtpu: "total_device_count
+% num_participants_per_group == 0"), so Wan2.2 I2V-A14B's 90 latent rows at 720p split over 8
+chips by their 160 columns, not over 6 by rows.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ from compat.torchax_compat import import_torchax
 
 from .compile import compile_counts
 
-AXIS = "h"  # the mesh axis the frame's rows are split over
+AXIS = "s"  # the mesh axis the frame's rows (or columns) are split over
 KV_BUCKET = 8  # HunyuanVideo-1.5: the mid-block K/V buffers hold a multiple of 8 latent frames
-_ROWS = P(None, None, None, AXIS, None)  # [B, C, T, H, W] split by height
+ROWS, COLUMNS = 3, 4  # the split dimension of [B, C, T, H, W]
 # The compiled programs of this process, by architecture (class, config, dtype), devices and
 # shape: the weights are arguments, so another decoder of the same VAE (the next run of a job,
 # another checkpoint) reuses them and compiles nothing.
@@ -58,9 +62,19 @@ def make_mesh(devices: int | None = None) -> Mesh:
     return Mesh(np.array(devs), (AXIS,))
 
 
-def mesh_size(latent_height: int, devices: int) -> int:
-    """The most devices, at most `devices`, that split the latent rows evenly."""
-    return max(d for d in range(1, devices + 1) if latent_height % d == 0)
+def split_plan(latent_height: int, latent_width: int, devices: int) -> tuple[int, int]:
+    """(devices to use, ROWS or COLUMNS): the largest divisor of `devices` that splits the
+    latent rows or columns evenly, rows when both do."""
+    for n in sorted((d for d in range(1, devices + 1) if devices % d == 0), reverse=True):
+        if latent_height % n == 0:
+            return n, ROWS
+        if latent_width % n == 0:
+            return n, COLUMNS
+    raise AssertionError("unreachable: 1 divides everything")
+
+
+def mesh_size(latent_height: int, latent_width: int, devices: int) -> int:
+    return split_plan(latent_height, latent_width, devices)[0]
 
 
 def family(vae) -> str:
@@ -189,8 +203,8 @@ class _HunyuanChunk:
     with it replicated, upsamplers treat it as the first frame); t: the frame's index (a 0-d
     int tensor)."""
 
-    def __init__(self, first, conv_in, kv_in, t, kv_frames):
-        self.first, self.t, self.kv_frames = first, t, kv_frames
+    def __init__(self, first, conv_in, kv_in, t, kv_frames, split=ROWS):
+        self.first, self.t, self.kv_frames, self.split = first, t, kv_frames, split
         self.conv_in, self.kv_in = iter(conv_in), iter(kv_in)
         self.conv_out, self.kv_out = [], []
 
@@ -201,9 +215,9 @@ class _HunyuanChunk:
             x = torch.cat([front, x], dim=2)
             self.conv_out.append(x[:, :, -kt:])
         pw, _, ph, _, _, _ = m.time_causal_padding
-        if m.pad_mode != "replicate" or ph != 1:
+        if m.pad_mode != "replicate" or (ph, pw) != (1, 1):
             return m.conv(F.pad(x, (pw, pw, ph, ph, 0, 0), mode=m.pad_mode))
-        return _replicate_rows_conv(m.conv, F.pad(x, (pw, pw, 0, 0, 0, 0), mode="replicate"))
+        return _replicate_split_conv(m.conv, x, self.split)
 
     def upsample(self, m, x):
         """Every frame of a steady chunk takes the upsampler's "next frames" path."""
@@ -245,18 +259,23 @@ class _HunyuanChunk:
         return m.proj_out(out) + identity
 
 
-def _replicate_rows_conv(conv, x):
-    """conv(x with its first and last rows replicated once), as a conv zero-padding the rows
-    plus each border row's missing term (the kernel's outer row applied to that border row):
-    the same sum, but on rows split over devices XLA exchanges one-row halos, where a
-    replicate pad of the split axis moves every row to another device first."""
-    w = conv.weight
-    y = F.conv3d(x, w, conv.bias, conv.stride, (0, 1, 0), conv.dilation, conv.groups)
-    top = F.conv3d(x[:, :, :, :1], w[:, :, :, :1], None, conv.stride, 0, conv.dilation, conv.groups)
-    bottom = F.conv3d(x[:, :, :, -1:], w[:, :, :, -1:], None, conv.stride, 0, conv.dilation,
-                      conv.groups)
-    row = torch.arange(y.shape[3], device=y.device)[:, None]
-    return y + torch.where(row == 0, top, 0.0) + torch.where(row == y.shape[3] - 1, bottom, 0.0)
+def _replicate_split_conv(conv, x, split):
+    """conv(x with its border rows and columns replicated once), where `split` (ROWS or
+    COLUMNS) is the dimension split over devices: the other one is replicate-padded (local to
+    each device), the split one zero-padded by the conv, plus each border line's missing term
+    (the kernel's outer line applied to that border line): the same sum, but XLA exchanges
+    one-line halos, where a replicate pad of the split axis moves every line to another device
+    first."""
+    x = F.pad(x, (1, 1, 0, 0, 0, 0) if split == ROWS else (0, 0, 1, 1, 0, 0), mode="replicate")
+    w, args = conv.weight, (conv.stride, 0, conv.dilation, conv.groups)
+    y = F.conv3d(x, w, conv.bias, conv.stride, (0, 1, 0) if split == ROWS else (0, 0, 1),
+                 conv.dilation, conv.groups)
+    first = F.conv3d(x.narrow(split, 0, 1), w.narrow(split, 0, 1), None, *args)
+    last = F.conv3d(x.narrow(split, x.shape[split] - 1, 1),
+                    w.narrow(split, w.shape[split] - 1, 1), None, *args)
+    line = torch.arange(y.shape[split], device=y.device)
+    line = line[:, None] if split == ROWS else line
+    return y + torch.where(line == 0, first, 0.0) + torch.where(line == y.shape[split] - 1, last, 0.0)
 
 
 def _patched(vae, chunk: _HunyuanChunk):
@@ -269,8 +288,8 @@ def _patched(vae, chunk: _HunyuanChunk):
         hy.HunyuanVideo15AttnBlock: lambda m, x: chunk.attention(m, x)})
 
 
-def _hunyuan_chunk(vae, z, conv_state, kv_state, t, *, first, kv_frames):
-    chunk = _HunyuanChunk(first, conv_state, kv_state, t, kv_frames)
+def _hunyuan_chunk(vae, z, conv_state, kv_state, t, *, first, kv_frames, split=ROWS):
+    chunk = _HunyuanChunk(first, conv_state, kv_state, t, kv_frames, split)
     with _patched(vae, chunk):
         out = vae.decoder(z)
     return out, chunk.conv_out, chunk.kv_out
@@ -285,18 +304,26 @@ class JaxVaeDecoder:
     vae: a diffusers AutoencoderKLWan / AutoencoderKLHunyuanVideo15 or PixelLatents, on the
     host in the dtype to compute in (its weights are copied to the devices once).
     mesh: a 1-D mesh (`make_mesh`) to split the frame's rows over; None: one device.
+    abstract: hold the weights as shapes only (a VAE built on the meta device, a mesh of
+    compile-only TPU devices): `prepare` then compiles for that slice and nothing can run
+    (`tpu.vae_aot`).
     """
 
-    def __init__(self, vae, mesh: Mesh | None = None):
+    def __init__(self, vae, mesh: Mesh | None = None, *, abstract: bool = False):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         self.family = family(vae)
-        self.vae, self.mesh = vae, mesh
+        self.vae, self.mesh, self.abstract = vae, mesh, abstract
+        self.split = ROWS  # set per latent shape by `prepare` (`split_plan`)
+        if abstract and mesh is None:
+            raise ValueError("an abstract decoder compiles for a mesh; expected mesh= (one device "
+                             "or more)")
         self.module = _Decode(vae)
         self.dtype = next(iter(vae.parameters()), torch.zeros(())).dtype
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         self.params = {name: self._put(t, self._replicated()) for name, t in tensors.items()}
-        devices = tuple(d.id for d in mesh.devices.flat) if mesh is not None else None
+        devices = tuple((d.platform, d.device_kind, d.id) for d in mesh.devices.flat) \
+            if mesh is not None else None
         config = sorted((k, repr(v)) for k, v in dict(getattr(vae, "config", {})).items())
         self._arch = (type(vae).__name__, tuple(config), str(self.dtype), devices)
         # (latent shape of one frame, kv_frames) -> (first, steady)
@@ -308,9 +335,17 @@ class JaxVaeDecoder:
         return None if self.mesh is None else NamedSharding(self.mesh, P())
 
     def _rows(self, ndim=5):
-        return None if self.mesh is None or ndim != 5 else NamedSharding(self.mesh, _ROWS)
+        """The sharding of a [B, C, T, H, W] array: split by rows or columns (`self.split`)."""
+        if self.mesh is None or ndim != 5:
+            return None
+        spec = [None] * 5
+        spec[self.split] = AXIS
+        return NamedSharding(self.mesh, P(*spec))
 
     def _put(self, tensor: torch.Tensor, sharding):
+        if self.abstract:
+            dtype = jax.dtypes.canonicalize_dtype(str(tensor.dtype).removeprefix("torch."))
+            return jax.ShapeDtypeStruct(tuple(tensor.shape), dtype, sharding=sharding)
         if tensor.dtype == torch.bfloat16:  # numpy has no bf16: through torchax's mapping
             array = self.env.t2j_copy(tensor.detach().contiguous())
             return array if sharding is None else jax.device_put(array, sharding)
@@ -338,13 +373,16 @@ class JaxVaeDecoder:
         """Compile (once per frame size and K/V bucket) the first and steady programs for
         latents of `latent_shape`; returns the compiled pair."""
         b, c, frames, h, w = latent_shape
-        if self.mesh is not None and h % self.mesh.size:
-            raise ValueError(f"latent height {h} does not split over {self.mesh.size} devices; "
-                             f"use a device count dividing it")
+        if self.mesh is not None:
+            n, self.split = split_plan(h, w, self.mesh.size)
+            if n != self.mesh.size:
+                raise ValueError(f"a latent of {h} x {w} splits over no {self.mesh.size} devices "
+                                 f"by rows or columns; use {n} (tpu.vae.split_plan)")
         kv = self.kv_frames(frames) if self.family == "hunyuan" else 0
         key = ((b, c, h, w), kv) if self.family != "pixels" else tuple(latent_shape)
         if key in self._programs:
             return self._programs[key]
+        split = self.split
         dt = jax.numpy.dtype(str(self.dtype).removeprefix("torch."))
         if self.family == "pixels":
             z = jax.ShapeDtypeStruct(tuple(latent_shape), dt, sharding=self._rows())
@@ -363,12 +401,13 @@ class JaxVaeDecoder:
                 return out.float(), state
         else:
             def first_fn(vae, z):
-                out, conv, kvs = _hunyuan_chunk(vae, z, [], [], 0, first=True, kv_frames=kv)
+                out, conv, kvs = _hunyuan_chunk(vae, z, [], [], 0, first=True, kv_frames=kv,
+                                                split=split)
                 return out.float(), (conv, kvs)
 
             def steady_fn(vae, z, state, t):
                 out, conv, kvs = _hunyuan_chunk(vae, z, state[0], state[1], t, first=False,
-                                                kv_frames=kv)
+                                                kv_frames=kv, split=split)
                 return out.float(), (conv, kvs)
 
         first_abstract = jax.eval_shape(self._trace(first_fn), self.params, z)
@@ -390,22 +429,27 @@ class JaxVaeDecoder:
 
     def decode(self, z: torch.Tensor) -> np.ndarray:
         """The video, float32 [1, 3, frames, height, width] in the VAE's output range."""
+        if self.abstract:
+            raise RuntimeError("an abstract decoder holds no weights; it can only compile")
         first, steady = self.prepare(tuple(z.shape))
         z = z.to(self.dtype)
         if self.family == "pixels":
             return np.asarray(first(self.params, self._put(z, self._rows())))
         chunks = []
         out, state = first(self.params, self._put(z[:, :, :1], self._rows()))
-        chunks.append(out)
         for i in range(1, z.shape[2]):  # host slices and transfers: no device op to compile
             frame = self._put(z[:, :, i:i + 1], self._rows())
+            previous = out
             if self.family == "wan":
                 out, state = steady(self.params, frame, state)
             else:
                 t = jax.device_put(np.int32(i), self._replicated())
                 out, state = steady(self.params, frame, state, t)
-            chunks.append(out)
-        return np.concatenate([np.asarray(c) for c in chunks], axis=2)
+            # the previous chunk comes to the host while this call runs: at most two video
+            # chunks are ever on the device (tpu.vae_aot's memory plan counts them)
+            chunks.append(np.asarray(previous))
+        chunks.append(np.asarray(out))
+        return np.concatenate(chunks, axis=2)
 
     def compile_counts(self):
         return compile_counts()

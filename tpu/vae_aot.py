@@ -1,0 +1,164 @@
+"""Stage 3 compiled for a Cloud TPU slice on a machine without one: the real-size VAE decode.
+
+    JAX_PLATFORMS=cpu python -m tpu.vae_aot --model wan2.2-ti2v-5b --topology v6e:2x4
+
+The pipeline's VAE is built on the meta device at its released size (no weights read), its
+decode traced by `tpu.vae.JaxVaeDecoder` exactly as stage 3 runs it (the first and the steady
+per-latent-frame programs, rows split over the slice's devices) and compiled by libtpu for the
+named slice. Reported per chip: HBM (the compiler's memory analysis of each program, and a plan
+of the whole decode: weights, the carried causal caches, the program in flight and the previous
+video chunk on its way to the host), TFLOP, collectives, and a roofline time (`tpu.aot.Program`):
+the first program once and the steady one for every further latent frame.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from modules.vae import VAES, _diffusers_class, spec_for
+from sampling.cli import as_int
+from sampling.pipelines import PIPELINES, SizeError, get_pipeline
+from sampling.stage_io import check_writable_file
+
+from .aot import AotError, chip_bytes, parse_topology, record, topology_devices
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def meta_vae(pipe, dtype, tiny: bool = False):
+    """The pipeline's released VAE architecture on the meta device (shapes only); `tiny`: the
+    tiny random-weight VAE stage 3 decodes the tiny pipelines with, instead."""
+    spec = spec_for(pipe)
+    if spec.name not in VAES:
+        raise AotError(f"{pipe.name} samples in pixel space: there is no VAE to compile")
+    config = spec.tiny_config(pipe.latent_channels) if tiny else spec.config
+    with torch.device("meta"):
+        vae = _diffusers_class(spec)(**config).eval()
+    return spec, vae.to(dtype)
+
+
+def run(args) -> dict:
+    chip, dims = parse_topology(args.topology)
+    pipe = get_pipeline(args.model)
+    size = []
+    for flag, default in zip(("height", "width", "video_length"), pipe.size, strict=True):
+        value = getattr(args, flag)
+        size.append(default if value is None else as_int(f"--{flag}", value, minimum=1,
+                                                          expected="a positive integer"))
+    try:
+        latent_shape = pipe.latent_shape(*size)
+    except SizeError as exc:
+        raise AotError(f"--{exc.name} {exc.value}: expected {exc.expected}") from None
+    if pipe.task == "s2v":  # decoded clip by clip: one clip's latents with nothing in front
+        raise AotError(f"{pipe.name} decodes clip by clip, each with its motion history in "
+                       "front: compile the Wan2.1 VAE's decode of wan2.2-i2v-a14b instead")
+    check_writable_file("--json", args.json)
+    dtype = DTYPES[args.dtype]
+    spec, vae = meta_vae(pipe, dtype, args.tiny)
+    chip, devices = topology_devices(args.topology)
+
+    from jax.sharding import Mesh
+
+    from .vae import AXIS, ROWS, JaxVaeDecoder, split_plan
+    rows, split = split_plan(latent_shape[3], latent_shape[4], len(devices))
+    mesh = Mesh(np.array(devices[:rows]), (AXIS,))
+    decoder = JaxVaeDecoder(vae, mesh, abstract=True)
+    began = time.perf_counter()
+    first, steady = decoder.prepare(tuple(latent_shape))
+    seconds = time.perf_counter() - began
+    weights = chip_bytes(decoder.params)
+    frames = latent_shape[2]
+    programs = {}
+    for name, compiled in (("first", first), ("steady", steady)):
+        if compiled is None:
+            continue
+        args_bytes = compiled.memory_analysis().argument_size_in_bytes
+        programs[name] = record(name, compiled, seconds, weight_bytes=weights,
+                                activation_bytes=max(args_bytes - weights, 0))
+    steady_p = programs.get("steady")
+    calls = {"first": 1, "steady": frames - 1 if steady_p is not None else 0}
+    roofline = sum(calls[n] * p.seconds(chip)["roofline"] for n, p in programs.items())
+    tflop = sum(calls[n] * p.flops for n, p in programs.items()) / 1e12
+    # In flight at the worst call: the weights, that call's carried state and input, its
+    # temporaries and outputs (the new state beside the old one: nothing is donated), and the
+    # previous call's video chunk, which the host copies out while this call runs.
+    video = (1, 3, 1 + pipe.vae_stride[0] * (frames - 1), size[0], size[1])
+    chunk = 3 * pipe.vae_stride[0] * size[0] * size[1] * 4 // rows  # float32, split
+    peak = max(p.in_flight() for p in programs.values()) + chunk
+    total = weights + peak
+    report = {
+        "model": pipe.name, "vae": spec.name + (" (tiny)" if args.tiny else ""),
+        "topology": args.topology,
+        "chip": {k: getattr(chip, k) for k in ("name", "hbm_bytes", "bf16_flops", "hbm_bandwidth",
+                                                "ici_bandwidth")},
+        "devices": rows, "split": "rows" if split == ROWS else "columns", "chips": len(devices),
+        "dtype": args.dtype, "size": size,
+        "latent_shape": list(latent_shape), "video_shape": list(video),
+        "programs": {n: {**p.__dict__, **p.seconds(chip), "ici_bytes": p.ici_bytes,
+                         "calls": calls[n]} for n, p in programs.items()},
+        "memory": {"hbm": chip.hbm_bytes, "weights": weights, "in_flight": peak, "total": total,
+                   "headroom": chip.hbm_bytes - total, "fits": total <= chip.hbm_bytes},
+        "tflop": tflop, "roofline_seconds": roofline, "compile_seconds": seconds,
+    }
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(report, f, indent=1, default=str)
+        os.replace(args.json + ".tmp", args.json)
+    return report
+
+
+def format_summary(r: dict) -> str:
+    gib = 2**30
+    m = r["memory"]
+    lines = [f"{r['model']} decode ({r['vae']}, {r['dtype']}) on {r['topology']}: latents "
+             f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
+             f"{r['devices']} of {r['chips']} chips",
+             f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
+             f"{'TFLOP':>7s} {'roofline ms':>11s}  collectives"]
+    for n, p in r["programs"].items():
+        coll = ", ".join(f"{k} {v['count']}" for k, v in p["collectives"].items()) or "none"
+        lines.append(f"  {n:8s} {p['calls']:5d} {p['argument_bytes'] / gib:8.2f} "
+                     f"{p['temp_bytes'] / gib:8.2f} {p['output_bytes'] / gib:8.2f} "
+                     f"{p['flops'] / 1e12:7.2f} {1e3 * p['roofline']:11.2f}  {coll}")
+    lines.append(f"  per chip: {m['total'] / gib:.2f} GiB of {m['hbm'] / gib:.2f} "
+                 f"({'fits' if m['fits'] else 'DOES NOT FIT'}; weights {m['weights'] / gib:.2f}, "
+                 f"in flight {m['in_flight'] / gib:.2f}); {r['tflop']:.1f} TFLOP; roofline "
+                 f"{r['roofline_seconds']:.2f} s; compiled in {r['compile_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tpu.vae_aot", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, choices=sorted(PIPELINES))
+    p.add_argument("--topology", required=True, help="TPU slice, e.g. v6e:2x4 (v6e-8)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="VAE weights and compute (stage 3's --dtype)")
+    p.add_argument("--height", default=None)
+    p.add_argument("--width", default=None)
+    p.add_argument("--video_length", default=None)
+    p.add_argument("--tiny", action="store_true", help="the tiny VAE of stage 3's random-weight "
+                   "decode instead of the released size (compiles in seconds)")
+    p.add_argument("--json", default=None, help="write the report here")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        report = run(args)
+    except (AotError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
