@@ -148,9 +148,9 @@ def run(args) -> dict:
     entries = read_prompts(args)
     pipe = stage1.pipeline_of(args)
     if pipe.task == "s2v":
-        raise UsageError(f"--model {pipe.name}: stage 3 does not decode speech-to-video clips yet "
-                         "(each needs its motion history in front); run stage1_encode.py and "
-                         "stage2_transformer_flax_deepcache.py for the latents")
+        raise UsageError(f"--model {pipe.name}: this command does not run speech-to-video yet; "
+                         "run stage1_encode.py, stage2_transformer_flax_deepcache.py and "
+                         "stage3_vae_decode.py")
     folders = _folders(args, len(entries))
     base_seed = args.seed if args.seed is not None else stage2.DEFAULT_SEED
     jobs = []

@@ -35,7 +35,7 @@ from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
 from sampling.budget import load as budget_load
 from sampling.cli import CommandParser, UsageError, as_int, as_number, command
-from sampling.clips import sample_clips
+from sampling.clips import decode_inputs, decode_metadata, sample_clips
 from sampling.fidelity import fidelity
 from sampling.pipelines import (
     DEFAULT_PIPELINE,
@@ -929,15 +929,17 @@ def _write(r, latents, report, args):
     pipe, size = r["pipe"], r["size"]
     # a config from a decoded folder: its stage-3 fields describe a video of other latents
     config = {k: v for k, v in r["stage1"].items() if k not in STAGE3_FIELDS}
+    # speech-to-video: what stage 3 needs to decode each clip with the history it continued
+    clips = decode_metadata(pipe, r["latent_shape"], r["clips"],
+                            "motion_latents" in r["tensors"]) if r["clips"] else {}
     config.update(model=pipe.name, height=size[0], width=size[1], video_length=size[2],
                   num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=r["seed"],
                   sample_solver=r["solver"], sample_shift=r["shift"],
                   stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
                   synthetic_inputs=args.input_dir is None, sp_size=args.sp_size,
-                  **({"num_clips": r["clips"]} if r["clips"] else {}),
-                  cfg_parallel=args.cfg_parallel, **_cache_metadata(r["config"]))
+                  **clips, cfg_parallel=args.cfg_parallel, **_cache_metadata(r["config"]))
     meta = {k: config[k] for k in ("height", "width", "video_length", "num_inference_steps",
-                                   "guidance_scale", "seed", "model", "num_clips") if k in config}
+                                   "guidance_scale", "seed", "model", *clips) if k in config}
     meta.update(elapsed_time=report["time"]["stage_seconds"], device=report["device"],
                 **_cache_metadata(r["config"]))
     out = latents.to(r["dtype"]) if r["dtype"] == torch.bfloat16 else latents
@@ -961,7 +963,8 @@ def _write(r, latents, report, args):
         if args.tensorboard_dir is not None:
             files.add_folder(args.tensorboard_dir, lambda folder: write_tensorboard(
                 folder, report["trace"], r["steps"]), "--tensorboard_dir")
-        report["outputs"] = write_stage2(r["output_dir"], out, meta, config, also=files)
+        report["outputs"] = write_stage2(r["output_dir"], out, meta, config, also=files,
+                                         extra=decode_inputs(pipe, r["tensors"]) if clips else None)
     finally:
         files.discard()  # (nothing left to remove once committed)
 

@@ -6,6 +6,10 @@ stage-2 files -> check the output folder -> build or load the VAE, check its lat
 (patch parallel: join the process group, plan the grid) -> decode -> frames -> write the video
 and the config atomically (rank 0).
 
+Speech-to-video latents are the clips end to end; each clip is decoded with its motion history
+in front and keeps its own frames (official WanS2V.generate; `sampling.clips.clip_decodes`),
+and the video is the clips' frames one after another.
+
     python stage3_vae_decode.py --input_dir stage_outputs                      # tiny random VAE
     python stage3_vae_decode.py --input_dir D --backend torch --device cuda    # diffusers on torch
     python stage3_vae_decode.py --input_dir D --vae_path /ckpts/Wan2.2_VAE.pth
@@ -19,6 +23,7 @@ import os
 import time
 import warnings
 
+import numpy as np
 import torch
 
 from modules.vae import (
@@ -33,6 +38,7 @@ from modules.vae import (
     to_vae_latents,
 )
 from sampling.cli import CommandParser, UsageError, as_int, as_number, command
+from sampling.clips import clip_decodes
 from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
 from sampling.stage_io import (
     CONFIG,
@@ -41,7 +47,7 @@ from sampling.stage_io import (
     StageFileError,
     check_tensors,
     check_writable,
-    read_stage2,
+    read_stage2_tensors,
     write_video,
 )
 from vae_parallel.grid import PatchGridError
@@ -128,16 +134,12 @@ def resolve(args) -> dict:
     if not os.path.isdir(args.input_dir):
         raise StageFileError(f"--input_dir {args.input_dir} is not a directory; expected the "
                              f"stage-2 folder holding {LATENTS}")
-    latents, metadata, config = read_stage2(args.input_dir)
+    tensors, metadata, config = read_stage2_tensors(args.input_dir)
+    latents = tensors["latents"]
     name = _pipeline_name(args, config, metadata)
     if name not in PIPELINES:
         raise UsageError(f"unknown model {name!r}; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
-    if pipe.task == "s2v":
-        # each clip decodes with its motion history in front and keeps its own frames (official
-        # WanS2V.generate); the latents of stage 2 are the clips end to end, without histories
-        raise UsageError(f"{name}: stage 3 does not decode speech-to-video clips yet (they need "
-                         "a per-clip decode with the motion history in front)")
     channels = pipe.latent_channels
     if latents.dim() != 5 or latents.shape[0] != 1:
         raise StageFileError(f"{LATENTS}: latents have shape {list(latents.shape)}; expected "
@@ -152,13 +154,20 @@ def resolve(args) -> dict:
     check_tensors({"latents": latents}, {"latents": TensorSpec((None,) * 5, FLOAT_DTYPES)},
                   os.path.join(args.input_dir, LATENTS))
     st, ss = pipe.vae_stride
-    frames, height, width = ((latents.shape[2] - 1) * st + 1, latents.shape[3] * ss,
-                             latents.shape[4] * ss)
+    height, width = latents.shape[3] * ss, latents.shape[4] * ss
+    clips = None
+    if pipe.task == "s2v":
+        clips = _s2v_clips(pipe, tensors, metadata, os.path.join(args.input_dir, LATENTS))
+        # the config's video_length is one clip's
+        frames, clip_frames = sum(c.keep for c in clips), latents.shape[2] // len(clips) * st
+    else:
+        frames = clip_frames = (latents.shape[2] - 1) * st + 1
     source = os.path.join(args.input_dir, CONFIG)
-    for key, value in (("video_length", frames), ("height", height), ("width", width)):
+    for key, value in (("video_length", clip_frames), ("height", height), ("width", width)):
         if config.get(key) is not None and as_int(f"{source}: {key}", config[key]) != value:
             raise StageFileError(f"{LATENTS}: latents {list(latents.shape)} decode to {key} "
-                                 f"{value}; generation_config.json says {config[key]}")
+                                 f"{value}" + (" per clip" if clips and key == "video_length" else "")
+                                 + f"; generation_config.json says {config[key]}")
     if args.tiled and args.patch_parallel:
         raise UsageError("--tiled and --patch_parallel are alternatives (tiles inside patches "
                          "would not match the single-device decode); pick one")
@@ -184,7 +193,35 @@ def resolve(args) -> dict:
     output_dir = args.output_dir if args.output_dir is not None else args.input_dir
     check_writable(output_dir, "--output_dir", (VIDEO, CONFIG))
     return dict(pipe=pipe, latents=latents, config=config, size=(frames, height, width), fps=fps,
-                output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid, backend=backend)
+                output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid, backend=backend,
+                clips=clips)
+
+
+def _s2v_clips(pipe, tensors, metadata, source):
+    """The clips' decodes (`sampling.clips.ClipDecode`) of speech-to-video latents, from the
+    clip layout stage 2 records in the latents' metadata and the reference or motion latents it
+    writes beside them; refused when they do not fit together."""
+    latents, (_, c, _, h, w) = tensors["latents"], tensors["latents"].shape
+    fields = ("num_clips", "clip_latent_frames", "motion_latent_frames", "motion_history_given")
+    missing = [k for k in fields if k not in metadata]
+    if missing:
+        raise StageFileError(f"{source} records no {', '.join(missing)}; expected the clip layout "
+                             f"stage 2 writes with {pipe.name} latents (rerun stage 2)")
+    clips, frames, history = (as_int(f"{source}: {k}", metadata[k], minimum=1) for k in fields[:3])
+    given = metadata["motion_history_given"]
+    if given not in ("true", "false"):
+        raise StageFileError(f"{source}: motion_history_given {given!r}; expected true or false")
+    if latents.shape[2] != clips * frames:
+        raise StageFileError(f"{source}: latents have {latents.shape[2]} latent frames; its "
+                             f"metadata records {clips} clips of {frames} ({clips * frames}), "
+                             "end to end (rerun stage 2)")
+    if given == "true":  # the first clip continued this history
+        key, spec = "motion_latents", TensorSpec((1, c, history, h, w), doc="the first clip's "
+                                                 "motion history")
+    else:  # official drop_first_motion: the first clip decodes after the reference latent
+        key, spec = "ref_latents", TensorSpec((1, c, 1, h, w), doc="the reference image latent")
+    check_tensors(tensors, {key: spec}, source)
+    return clip_decodes(latents, clips, history, pipe.vae_stride[0], **{key: tensors[key]})
 
 
 _TORCH_ONLY = ("device", "patch_parallel", "tiled", "tile_size")
@@ -245,8 +282,6 @@ def enlarge(frames, factor: int):
     """Frames enlarged by a whole factor (nearest neighbour): `Pipeline.enlarge` of the tiny
     pixel-space model, whose 16x16 clips players show as a dot and whose pixels H.264's
     half-resolution colour (yuv420p) would blur together."""
-    import numpy as np
-
     if factor <= 1:
         return frames
     return np.repeat(np.repeat(frames, factor, axis=1), factor, axis=2)
@@ -275,6 +310,29 @@ def decode(vae, z, grid, tiled, tile_size):
         return vae.decode(z, return_dict=False)[0]
 
 
+def clip_videos(decode_one, vae, clips, dtype=torch.float32, device=None):
+    """Each speech-to-video clip's video [1, 3, keep, H, W]: `decode_one` of its [history |
+    clip] latents (`sampling.clips.ClipDecode`, de-normalised here), cut to its last `keep`
+    frames; None where decode_one gives None (a patch-parallel decode off rank 0)."""
+    for clip in clips:
+        video = decode_one(to_vae_latents(vae, clip.latents.to(device=device, dtype=dtype)))
+        yield None if video is None else video[:, :, video.shape[2] - clip.keep:]
+
+
+def decode_frames(decode_one, vae, r, device=None):
+    """uint8 frames [F, H, W, 3] of the resolved latents (None off rank 0): one decode, or one
+    per speech-to-video clip, the clips' frames one after another. Each clip becomes uint8 as
+    soon as it is decoded, so only one clip's float video is held at a time."""
+    if r["clips"] is None:
+        videos = [decode_one(to_vae_latents(vae, r["latents"].to(device=device, dtype=r["dtype"])))]
+    else:
+        videos = clip_videos(decode_one, vae, r["clips"], r["dtype"], device)
+    parts = [None if v is None else to_frames(v) for v in videos]
+    if parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def run(args) -> dict:
     """The whole stage; returns the report (rank 0 writes the files)."""
     r = resolve(args)
@@ -299,24 +357,30 @@ def _run_jax(args, r):
     from tpu.vae import JaxVaeDecoder, make_mesh, mesh_size
 
     enable_compile_cache(DEFAULT_CACHE_DIR)  # as stage 2: the next run reuses the programs
-    pipe = r["pipe"]
+    pipe, latents = r["pipe"], r["latents"]
     vae, vae_name = build_vae(pipe, args.vae_path, r["dtype"])
-    z = to_vae_latents(vae, r["latents"].to(dtype=r["dtype"]))
-    devices = mesh_size(z.shape[3], z.shape[4], len(jax.devices()))
+    devices = mesh_size(latents.shape[3], latents.shape[4], len(jax.devices()))
     decoder = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
+    shapes = {tuple(c.latents.shape) for c in r["clips"]} if r["clips"] else {tuple(latents.shape)}
     began = time.perf_counter()
-    decoder.prepare(tuple(z.shape))  # both programs compile here, none in the decode loop
+    for shape in sorted(shapes):  # every program compiles here, none in the decode loop
+        decoder.prepare(shape)
     compiled = time.perf_counter()
-    video = torch.from_numpy(decoder.decode(z))
+    before = decoder.compile_counts()
+    frames = decode_frames(lambda z: torch.from_numpy(decoder.decode(z)), vae, r)
     seconds = time.perf_counter() - compiled
+    loop = decoder.compile_counts() - before
     d = jax.devices()[0]
     with warnings.catch_warnings():
         # ffmpeg starts by fork + exec, which runs no JAX code in the child: JAX's warning about
         # forking its threads does not apply
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-        return _write(args, r, video, z.shape, seconds, vae_name, 0, devices,
-                      f"jax {d.platform}:{d.device_kind} x{devices}",
-                      extra=dict(vae_backend="jax", stage3_compile_time=round(compiled - began, 3)))
+        report = _write(args, r, frames, seconds, vae_name, 0, devices,
+                        f"jax {d.platform}:{d.device_kind} x{devices}",
+                        extra=dict(vae_backend="jax",
+                                   stage3_compile_time=round(compiled - began, 3)))
+    report["loop_compiles"] = loop.lowered
+    return report
 
 
 def _run(args, r, rank, world, device, built=None, also=None):
@@ -326,25 +390,24 @@ def _run(args, r, rank, world, device, built=None, also=None):
     pipe = r["pipe"]
     vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
     vae = vae.to(device)
-    z = to_vae_latents(vae, r["latents"].to(device=device, dtype=r["dtype"]))
     began = time.perf_counter()
-    video = decode(vae, z, r["grid"], args.tiled, args.tile_size)
+    frames = decode_frames(lambda z: decode(vae, z, r["grid"], args.tiled, args.tile_size), vae,
+                           r, device)
     seconds = time.perf_counter() - began
-    return _write(args, r, video, z.shape, seconds, vae_name, rank, world, device, also)
+    return _write(args, r, frames, seconds, vae_name, rank, world, device, also)
 
 
-def _write(args, r, video, latent_shape, seconds, vae_name, rank, world, device, also=None,
-           extra=None):
-    """The report, and on rank 0 the video and config (plus the fields of `extra`) of one
-    decode."""
+def _write(args, r, frames, seconds, vae_name, rank, world, device, also=None, extra=None):
+    """The report, and on rank 0 the video of uint8 `frames` and the config (plus the fields of
+    `extra`) of one decode."""
     pipe, grid = r["pipe"], r["grid"]
-    report = {"model": pipe.name, "vae": vae_name, "latent_shape": list(latent_shape),
+    report = {"model": pipe.name, "vae": vae_name, "latent_shape": list(r["latents"].shape),
+              "clips": len(r["clips"]) if r["clips"] else None,
               "ranks": world, "grid": list(grid.shape) if grid else None, "tiled": args.tiled,
               "device": str(device), "dtype": args.dtype, "decode_seconds": seconds,
               "fps": r["fps"], "rank": rank}
     if rank != 0:
         return report
-    frames = to_frames(video)
     expected = r["size"]
     if tuple(frames.shape[:3]) != expected:
         raise VaeError(f"the VAE decoded {list(frames.shape[:3])} (frames, height, width); the "
@@ -369,10 +432,14 @@ def _write(args, r, video, latent_shape, seconds, vae_name, rank, world, device,
 def format_summary(report: dict) -> str:
     lines = [f"stage 3: {report['model']}  VAE {report['vae']}  {report['dtype']} on "
              f"{report['device']}",
-             f"decode: latents {report['latent_shape']} in {report['decode_seconds']:.2f} s on "
-             f"{report['ranks']} rank(s)"
+             f"decode: latents {report['latent_shape']}"
+             + (f" ({report['clips']} clips, each after its motion history)" if report["clips"]
+                else "")
+             + f" in {report['decode_seconds']:.2f} s on {report['ranks']} rank(s)"
              + (f", patch grid {report['grid'][0]}x{report['grid'][1]}" if report["grid"] else "")
-             + (", tiled" if report["tiled"] else "")]
+             + (", tiled" if report["tiled"] else "")
+             + (f"; loop compiles {report['loop_compiles']}" if "loop_compiles" in report
+                else "")]
     if "video" in report:
         f, h, w = report["video"]
         lines.append(f"video: {f} frames {w}x{h} at {report['fps']:g} fps"

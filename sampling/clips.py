@@ -11,6 +11,10 @@ control guard through `Sample.cond_updates`, so with `ctrl_guard` no reuse spans
 The motion history: the official pipeline decodes every clip and re-encodes the last 73 frames
 with the VAE; stage 2 holds no VAE, so the history is carried in latent space, the last 19 latent
 frames of [history | new clip] (`carry_motion`). A caller that has the VAE passes `next_motion`.
+
+Stage 3 decodes the clips as the official pipeline does, each with its history in front
+(`clip_decodes`), rebuilding the histories stage 2 carried from the written latents and what
+stage 2 records beside them (`decode_inputs`, `decode_metadata`).
 """
 
 from __future__ import annotations
@@ -178,3 +182,58 @@ def _warm_up(backend, sample, audio_updates, rounds, solver, steps, shift):
         warm_up(backend, backend.plan, scheduler, warm)
     after = backend.compile_counts()
     return (None if after is None else after - before), time.perf_counter() - began
+
+
+# --- stage 3: each clip decoded with its history in front (official WanS2V.generate) ------------
+
+# official: the first clip without a motion history (drop_first_motion) loses 3 more video frames
+DROPPED_FIRST_FRAMES = 3
+
+
+@dataclass(frozen=True)
+class ClipDecode:
+    """One clip's decode: the VAE decodes `latents` [1, C, H_f + F, H, W] (DiT latents: the
+    clip's history, or for the first clip without one the reference latent, then the clip), and
+    the clip's video is the last `keep` frames of the result."""
+
+    latents: torch.Tensor
+    keep: int
+
+
+def decode_metadata(pipe: Pipeline, latent_shape, clips: int, motion_given: bool) -> dict:
+    """What stage 2 records for stage 3 to rebuild the clips' histories."""
+    return {"num_clips": clips, "clip_latent_frames": latent_shape[2],
+            "motion_latent_frames": motion_frames(pipe), "motion_history_given": motion_given}
+
+
+def decode_inputs(pipe: Pipeline, tensors: dict) -> dict[str, torch.Tensor]:
+    """The stage-1 tensor stage 3 decodes the first clip with (`clip_decodes`): the motion
+    history as the first clip continued it (fitted to its frames), or without one the
+    reference latent."""
+    motion = fit_motion(tensors.get("motion_latents"), motion_frames(pipe))
+    return {"ref_latents": tensors["ref_latents"]} if motion is None else {"motion_latents": motion}
+
+
+def clip_decodes(latents: torch.Tensor, clips: int, history_frames: int, temporal_stride: int,
+                 *, ref_latents: torch.Tensor | None = None,
+                 motion_latents: torch.Tensor | None = None) -> list[ClipDecode]:
+    """Each clip's decode (official WanS2V.generate), over `latents` [1, C, clips * F, H, W]:
+    [history | clip] keeping its last `temporal_stride` * F frames, the history carried as stage
+    2 carries it (`carry_motion`). The first clip without a history (official
+    drop_first_motion) decodes [reference | clip] and keeps its last stride * F - 3 frames."""
+    if latents.shape[2] % clips:
+        raise ValueError(f"{latents.shape[2]} latent frames do not split into {clips} clips")
+    if (ref_latents is None) == (motion_latents is None):
+        raise ValueError("expected one of ref_latents (no motion history) and motion_latents")
+    frames = latents.shape[2] // clips
+    motion = fit_motion(motion_latents, history_frames)
+    out = []
+    for clip in range(clips):
+        x = latents[:, :, clip * frames: (clip + 1) * frames]
+        if motion is None:
+            out.append(ClipDecode(torch.cat([ref_latents, x], dim=2),
+                                  temporal_stride * frames - DROPPED_FIRST_FRAMES))
+        else:
+            out.append(ClipDecode(torch.cat([motion, x], dim=2), temporal_stride * frames))
+        motion = carry_motion(motion, x, history_frames)
+    return out

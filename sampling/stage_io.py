@@ -3,6 +3,8 @@
     <dir>/stage1_embeddings.safetensors   text (and image) embeddings, written by stage 1
     <dir>/generation_config.json          settings; each stage adds its fields
     <dir>/stage2_latents.safetensors      key `latents` [1, C, F, H, W], metadata as strings
+                                          (speech-to-video: also what stage 3 decodes the
+                                          clips with, `sampling.clips.decode_inputs`)
 
 Everything is checked before sampling starts (missing file or key, wrong shape or dtype, bad
 JSON, an output path that cannot be created or would overwrite an input). Every write goes
@@ -499,16 +501,27 @@ def _taken_by_folder(directory: str, name: str) -> str:
 
 
 def write_stage2(directory: str, latents: torch.Tensor, metadata: Mapping[str, object],
-                 config: Mapping, also: Staged | None = None) -> dict[str, str]:
+                 config: Mapping, also: Staged | None = None,
+                 extra: Mapping[str, torch.Tensor] | None = None) -> dict[str, str]:
     """The latents and the config, tied by one pair id that read_stage2 checks: a pair put
-    together from two runs (by hand, or by a tool that does not recover) is refused."""
+    together from two runs (by hand, or by a tool that does not recover) is refused. `extra`:
+    more tensors beside `latents` in the same file (readers of `latents` alone ignore them)."""
+    extra = dict(extra or {})
+    if "latents" in extra:
+        raise ValueError("extra tensors may not be named 'latents'")
     pair = uuid.uuid4().hex
-    return write_stage(directory, {"latents": latents}, LATENTS, {**metadata, PAIR_ID: pair},
-                       {**config, PAIR_ID: pair}, also)
+    return write_stage(directory, {"latents": latents, **extra}, LATENTS,
+                       {**metadata, PAIR_ID: pair}, {**config, PAIR_ID: pair}, also)
 
 
 def read_stage2(directory: str):
     """(latents, metadata, generation config) written by stage 2, read as one pair."""
+    tensors, metadata, config = read_stage2_tensors(directory)
+    return tensors["latents"], metadata, config
+
+
+def read_stage2_tensors(directory: str):
+    """(every tensor of the latents file, metadata, generation config), read as one pair."""
     lock = _stage_folder(directory) if os.path.isdir(directory) else contextlib.nullcontext()
     with lock:
         tensors, metadata = read_tensors(os.path.join(directory, LATENTS))
@@ -519,7 +532,7 @@ def read_stage2(directory: str):
         raise StageFileError(f"{directory}: {LATENTS} ({PAIR_ID} {metadata[PAIR_ID]}) and {CONFIG} "
                              f"({PAIR_ID} {config[PAIR_ID]}) were written by different runs; "
                              "expected the pair one stage-2 run writes (rerun stage 2)")
-    return tensors["latents"], metadata, config
+    return tensors, metadata, config
 
 
 # --- stage 3: the video -------------------------------------------------------------------------
