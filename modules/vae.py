@@ -111,28 +111,55 @@ def deltas_to_pixels(z: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, first + torch.cumsum(changes, dim=-3)], dim=-3)
 
 
+def position_anchor(channels: int, frames: int, height: int, width: int, cell: int,
+                    dtype=torch.float32) -> torch.Tensor:
+    """[C, F, H, W]: where each cell of `cell` x `cell` pixels sits in the clip, as ramps from -1
+    to 1: channel 0 over the frames, 1 over the cell rows, 2 over the cell columns (further
+    channels zero). A DiT whose only positions are relative (RoPE, a patch embedding without
+    padding) cannot tell the first frame or the left edge from the data; a latent holding this
+    fixed pattern tells it at every noise level where the pattern shows through the noise."""
+    def ramp(n):
+        return torch.linspace(-1.0, 1.0, n, dtype=dtype) if n > 1 else torch.zeros(1, dtype=dtype)
+    rows, cols = -(-height // cell), -(-width // cell)
+    out = torch.zeros((channels, frames, height, width), dtype=dtype)
+    grids = (ramp(frames)[:, None, None].expand(frames, height, width),
+             ramp(rows).repeat_interleave(cell)[:height][None, :, None].expand(frames, height, width),
+             ramp(cols).repeat_interleave(cell)[:width][None, None, :].expand(frames, height, width))
+    for c, grid in enumerate(grids[:channels]):
+        out[c] = grid
+    return out
+
+
 class PixelLatents(torch.nn.Module):
     """The trivially invertible latent mappings of the tiny models trained in pixel space
     (issue 28): the clip, channels first, in [-1, 1]; with `deltas`, its causal form
-    (`pixels_to_deltas`). Decode inverts it and clamps to [-1, 1]."""
+    (`pixels_to_deltas`); with `anchor` (a cell size in pixels), plus the `position_anchor`
+    pattern. Decode inverts it and clamps to [-1, 1]."""
 
-    def __init__(self, channels: int = 3, deltas: bool = False):
+    def __init__(self, channels: int = 3, deltas: bool = False, anchor: int = 0):
         super().__init__()
-        self.deltas = deltas
+        self.deltas, self.anchor = deltas, anchor
         self.config = _Config(z_dim=channels, scaling_factor=1.0, scale_factor_spatial=1,
-                              scale_factor_temporal=1, deltas=deltas)
+                              scale_factor_temporal=1, deltas=deltas, anchor=anchor)
+
+    def _pattern(self, z: torch.Tensor) -> torch.Tensor:
+        return position_anchor(*z.shape[-4:], self.anchor, dtype=z.dtype).to(z.device)
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         video = video.clamp(-1.0, 1.0)
-        return pixels_to_deltas(video) if self.deltas else video
+        z = pixels_to_deltas(video) if self.deltas else video
+        return z + self._pattern(z) if self.anchor else z
 
     def decode(self, z: torch.Tensor, return_dict: bool = False):
+        if self.anchor:
+            z = z - self._pattern(z)
         return ((deltas_to_pixels(z) if self.deltas else z).clamp(-1.0, 1.0),)
 
 
 PIXELS = VaeSpec("pixels", "PixelLatents", 3, (1, 1), config={})
 PIXEL_DELTAS = VaeSpec("pixel-deltas", "PixelLatents", 3, (1, 1), config={"deltas": True})
-PIXEL_SPECS = {spec.name: spec for spec in (PIXELS, PIXEL_DELTAS)}  # by Pipeline.latent
+PIXEL_ANCHORED = VaeSpec("pixel-anchored", "PixelLatents", 3, (1, 1), config={"anchor": 4})
+PIXEL_SPECS = {spec.name: spec for spec in (PIXELS, PIXEL_DELTAS, PIXEL_ANCHORED)}  # by Pipeline.latent
 
 
 def spec_for(pipe) -> VaeSpec:
