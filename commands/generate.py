@@ -233,7 +233,10 @@ def run(args) -> dict:
             also.add_folder(folder, lambda tmp, c=cached, u=reference, fps=r3["fps"]:
                             _write_compare(tmp, c, u, fps), "--compare")
         try:
-            out = stage3._run(decode_args, r3, 0, 1, device, built, also)
+            if r3["backend"] == "jax":  # stage 3's default, as stage 2's
+                out = stage3._run_jax(decode_args, r3, built, also)
+            else:
+                out = stage3._run(decode_args, r3, 0, 1, device, built, also)
         finally:
             if also is not None:
                 also.discard()

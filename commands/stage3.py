@@ -349,8 +349,9 @@ def run(args) -> dict:
             dist.destroy_process_group()
 
 
-def _run_jax(args, r):
-    """The decode on JAX (tpu/vae.py, imported here: the torch path never loads torchax)."""
+def _run_jax(args, r, built=None, also=None):
+    """The decode on JAX (tpu/vae.py, imported here: the torch path never loads torchax);
+    `built` and `also` as for `_run`."""
     import jax
 
     from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
@@ -358,8 +359,10 @@ def _run_jax(args, r):
 
     enable_compile_cache(DEFAULT_CACHE_DIR)  # as stage 2: the next run reuses the programs
     pipe, latents = r["pipe"], r["latents"]
-    vae, vae_name = build_vae(pipe, args.vae_path, r["dtype"])
-    devices = mesh_size(latents.shape[3], latents.shape[4], len(jax.devices()))
+    vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
+    # this process's own devices: on a multi-host slice process 0 decodes alone (the
+    # prompt-to-video command), so a mesh with another host's devices would wait for it forever
+    devices = mesh_size(latents.shape[3], latents.shape[4], len(jax.local_devices()))
     decoder = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
     shapes = {tuple(c.latents.shape) for c in r["clips"]} if r["clips"] else {tuple(latents.shape)}
     began = time.perf_counter()
@@ -370,13 +373,13 @@ def _run_jax(args, r):
     frames = decode_frames(lambda z: torch.from_numpy(decoder.decode(z)), vae, r)
     seconds = time.perf_counter() - compiled
     loop = decoder.compile_counts() - before
-    d = jax.devices()[0]
+    d = jax.local_devices()[0]
     with warnings.catch_warnings():
         # ffmpeg starts by fork + exec, which runs no JAX code in the child: JAX's warning about
         # forking its threads does not apply
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
         report = _write(args, r, frames, seconds, vae_name, 0, devices,
-                        f"jax {d.platform}:{d.device_kind} x{devices}",
+                        f"jax {d.platform}:{d.device_kind} x{devices}", also,
                         extra=dict(vae_backend="jax",
                                    stage3_compile_time=round(compiled - began, 3)))
     report["loop_compiles"] = loop.lowered

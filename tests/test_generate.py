@@ -49,6 +49,7 @@ def test_the_readme_prompt_becomes_a_video_that_shows_it(readme_run):
     config = json.loads((work / "outputs" / CONFIG).read_text())
     assert config["model"] == DEFAULT_PROMPT_PIPELINE and config["prompt"] == README_PROMPT
     assert config["cache_enabled"] and config["cache_modes"]  # --enable_cache reached stage 2
+    assert config["vae_backend"] == "jax"  # stage 3's default backend, as stage 2's
     assert sorted(os.listdir(work / "outputs")) == sorted([CONFIG, EMBEDDINGS, LATENTS, VIDEO])
 
 

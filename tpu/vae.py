@@ -57,8 +57,8 @@ _COMPILED: dict = {}
 
 
 def make_mesh(devices: int | None = None) -> Mesh:
-    """A 1-D mesh over the first `devices` devices (default: all)."""
-    devs = jax.devices()[: devices or len(jax.devices())]
+    """A 1-D mesh over the first `devices` of this process's devices (default: all of them)."""
+    devs = jax.local_devices()[: devices or len(jax.local_devices())]
     return Mesh(np.array(devs), (AXIS,))
 
 
