@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "python calibrate.py": "commands.calibrate",
     "python -m commands.calibrate": "commands.calibrate",
     "python -m tpu.aot": "tpu.aot",
+    "python -m tpu.vae_aot": "tpu.vae_aot",
 }
 
 # a script or module a user may name -> the key of COMMANDS it means
@@ -32,6 +33,7 @@ ALIASES: dict[str, str] = {
     "calibrate.py": "python calibrate.py",
     "commands.calibrate": "python -m commands.calibrate",
     "tpu.aot": "python -m tpu.aot",
+    "tpu.vae_aot": "python -m tpu.vae_aot",
 }
 
 

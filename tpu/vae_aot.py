@@ -136,15 +136,16 @@ def format_summary(r: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tpu.vae_aot", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, choices=sorted(PIPELINES))
+    p.add_argument("--model", required=True, choices=sorted(PIPELINES),
+                   help="the pipeline whose VAE decodes (its released architecture)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v6e:2x4 (v6e-8)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="VAE weights and compute (stage 3's --dtype)")
-    p.add_argument("--height", default=None)
-    p.add_argument("--width", default=None)
-    p.add_argument("--video_length", default=None)
+    p.add_argument("--height", default=None, help="video height (default: the pipeline's)")
+    p.add_argument("--width", default=None, help="video width (default: the pipeline's)")
+    p.add_argument("--video_length", default=None, help="frames (default: the pipeline's)")
     p.add_argument("--tiny", action="store_true", help="the tiny VAE of stage 3's random-weight "
-                   "decode instead of the released size (compiles in seconds)")
+                   "decode instead of the released size (a quick check of the compile path)")
     p.add_argument("--json", default=None, help="write the report here")
     return p
 
