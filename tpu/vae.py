@@ -32,6 +32,7 @@ chips by their 160 columns, not over 6 by rows.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import types
@@ -413,16 +414,20 @@ class JaxVaeDecoder:
         first_abstract = jax.eval_shape(self._trace(first_fn), self.params, z)
         state = self._state_shardings(first_abstract[1])
         outs = (self._rows(), state)
-        first = jax.jit(self._trace(first_fn), out_shardings=outs).lower(self.params, z).compile()
+        first = jax.jit(self._trace(first_fn), out_shardings=outs).lower(self.params, z)
         s_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              first_abstract[1], state)
         steady = jax.jit(self._trace(steady_fn), out_shardings=outs)
         if self.family == "wan":
-            steady = steady.lower(self.params, z, s_abs).compile()
+            steady = steady.lower(self.params, z, s_abs)
         else:
             t = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=self._replicated())
-            steady = steady.lower(self.params, z, s_abs, t).compile()
-        self._programs[key] = (first, steady)
+            steady = steady.lower(self.params, z, s_abs, t)
+        # the two compiles are independent and XLA's runs without the GIL: side by side they
+        # take the longer one's time where the host has the cores (a TPU VM has hundreds)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            self._programs[key] = tuple(pool.map(lambda lowered: lowered.compile(),
+                                                 (first, steady)))
         return self._programs[key]
 
     # the loop -------------------------------------------------------------------------------
