@@ -53,6 +53,8 @@ ROWS = [
 # stage-2 row whose roofline run it is measured against
 DECODE_ROWS = [
     ("vae-ti2v5b-v6e8", "--model wan2.2-ti2v-5b --topology v6e:2x4", "ti2v5b-v6e8"),
+    ("vae-ti2v5b-v6e8-bf16", "--model wan2.2-ti2v-5b --topology v6e:2x4 --dtype bf16",
+     "ti2v5b-v6e8"),
     ("vae-ti2v5b-v5e8", "--model wan2.2-ti2v-5b --topology v5e:2x4", "ti2v5b-v5e8"),
     ("vae-ti2v5b-v5p4", "--model wan2.2-ti2v-5b --topology v5p:2x2x1", "ti2v5b-v5p4"),
     ("vae-a14b-v6e8", "--model wan2.2-i2v-a14b --topology v6e:2x4", "a14b-v6e8"),

@@ -59,13 +59,16 @@ def test_command_refuses_bad_input_before_any_compile(capsys):
         assert message in capsys.readouterr().err, args
 
 
-def test_an_abstract_decoder_refuses_to_decode():
+def test_an_abstract_decoder_holds_the_decoder_weights_alone_and_refuses_to_decode():
     pipe = get_pipeline("wan-tiny-ti2v")
     _, vae = vae_aot.meta_vae(pipe, torch.float32, tiny=True)
     _, devices = aot.topology_devices("v6e:1x1")
     import numpy as np
     from jax.sharding import Mesh
-    decoder = JaxVaeDecoder(vae, Mesh(np.array(devices), ("h",)), abstract=True)
+    decoder = JaxVaeDecoder(vae, Mesh(np.array(devices), ("s",)), abstract=True)
+    names = set(decoder.params)
+    assert any(n.startswith("vae.decoder.") for n in names)
+    assert not any(n.startswith(("vae.encoder.", "vae.quant_conv.")) for n in names)
     with pytest.raises(RuntimeError, match="only compile"):
         decoder.decode(torch.zeros(pipe.latent_shape(*pipe.size)))
     with pytest.raises(ValueError, match="expected mesh"):

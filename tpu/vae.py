@@ -55,6 +55,7 @@ ROWS, COLUMNS = 3, 4  # the split dimension of [B, C, T, H, W]
 # shape: the weights are arguments, so another decoder of the same VAE (the next run of a job,
 # another checkpoint) reuses them and compiles nothing.
 _COMPILED: dict = {}
+_ENCODER = ("vae.encoder.", "vae.quant_conv.")  # weights no decode reads
 
 
 def make_mesh(devices: int | None = None) -> Mesh:
@@ -322,7 +323,10 @@ class JaxVaeDecoder:
         self.module = _Decode(vae)
         self.dtype = next(iter(vae.parameters()), torch.zeros(())).dtype
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
-        self.params = {name: self._put(t, self._replicated()) for name, t in tensors.items()}
+        # the decoder's side only: the encoder's weights (a third of the Wan2.2 VAE's) would sit
+        # on every device unused
+        self.params = {name: self._put(t, self._replicated()) for name, t in tensors.items()
+                       if not name.startswith(_ENCODER)}
         devices = tuple((d.platform, d.device_kind, d.id) for d in mesh.devices.flat) \
             if mesh is not None else None
         config = sorted((k, repr(v)) for k, v in dict(getattr(vae, "config", {})).items())
