@@ -28,6 +28,17 @@ NAME = "wan-tiny-s2v"
 STEPS = 8
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The torch runs here (the backend and the eager reference) on one thread: with both cores
+    busy (pytest -n 2), a second OpenMP thread spin-waits for its turn, ~40x slower (wan-tiny-s2v's
+    plain reference: 0.7 s on one thread, 30 s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def setup(seed=0, motion=False, clips=2):
     pipe = get_pipeline(NAME)
     shape = pipe.latent_shape(*pipe.size)
