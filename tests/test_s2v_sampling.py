@@ -188,6 +188,15 @@ def _cli(cwd, *args, devices=None, **extra_env):
                           capture_output=True, text=True)
 
 
+def _refused(capsys, *args):
+    """(exit code, stderr) of the command's own main in this process: a refusal comes before any
+    model or device work, so a child apiece would only add an import of torch and JAX."""
+    from stage2_transformer_flax_deepcache import main
+
+    code = main([*args, "--no_progress"])
+    return code, capsys.readouterr().err
+
+
 def test_acceptance_command_runs_every_clip_without_loop_compiles(tmp_path):
     out = _cli(tmp_path, "--teacache", "--compare", "--num_inference_steps", "12",
                "--telemetry_csv", "trace.csv")
@@ -207,15 +216,19 @@ def test_acceptance_command_runs_every_clip_without_loop_compiles(tmp_path):
     assert not (tmp_path / "stage_outputs" / "output_video.mp4").exists()
 
 
-def test_clips_on_a_sequence_and_cfg_parallel_mesh_compile_nothing_in_the_loop(tmp_path):
+def test_clips_on_a_sequence_and_cfg_parallel_mesh_compile_nothing_in_the_loop(tmp_path, monkeypatch,
+                                                                              capsys):
     out = _cli(tmp_path, "--teacache", "--sp_size", "2", "--cfg_parallel", "--num_inference_steps",
                "6", "--num_clips", "2", devices=4)
     assert out.returncode == 0, out.stderr
     assert "x4 (sp 2, cfg 2, weights fsdp)" in out.stdout and "clip 1: pair" in out.stdout
     assert "loop 0\n" in out.stdout
     # as one rank of a 2-process torchrun world would see it (the world itself fits the flags)
-    out = _cli(tmp_path, "--backend", "torch", "--sp_size", "2", WORLD_SIZE="2", RANK="0")
-    assert out.returncode == 2 and "sequence/CFG parallel on the JAX backend only" in out.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, err = _refused(capsys, "--model", NAME, "--backend", "torch", "--sp_size", "2")
+    assert code == 2 and "sequence/CFG parallel on the JAX backend only" in err
 
 
 def _stage1(directory, tensors, **config):
@@ -225,7 +238,8 @@ def _stage1(directory, tensors, **config):
     (directory / "generation_config.json").write_text(json.dumps({"model": NAME, **config}))
 
 
-def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path):
+def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path, monkeypatch,
+                                                                        capsys):
     _, _, _, tensors = setup(motion=True, clips=3)
     good = tmp_path / "good"
     _stage1(good, tensors, num_inference_steps=4)
@@ -233,6 +247,7 @@ def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path)
     assert out.returncode == 0, out.stderr
     latents = load_file(str(good / "stage2_latents.safetensors"))["latents"]
     assert latents.shape == (1, 16, 8, 8, 8)
+    monkeypatch.chdir(tmp_path)
     cases = {
         "audio": ({**tensors, "audio_embeds": tensors["audio_embeds"][..., :20]},
                   "multiple of the 16 frames"),
@@ -244,11 +259,11 @@ def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path)
         folder = tmp_path / name
         _stage1(folder, bad)
         before = sorted(os.listdir(folder))
-        out = _cli(tmp_path, "--input_dir", str(folder))
-        assert out.returncode == 2 and message in out.stderr, (name, out.stderr)
+        code, err = _refused(capsys, "--model", NAME, "--input_dir", str(folder))
+        assert code == 2 and message in err, (name, err)
         assert sorted(os.listdir(folder)) == before
-    out = _cli(tmp_path, "--input_dir", str(good), "--num_clips", "4")
-    assert out.returncode == 2 and "holds 3 clips" in out.stderr
-    out = subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
-                          "--num_clips", "2"], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == 2 and "--num_clips belongs to speech-to-video" in out.stderr
+    code, err = _refused(capsys, "--model", NAME, "--input_dir", str(good), "--num_clips", "4")
+    assert code == 2 and "holds 3 clips" in err
+    code, err = _refused(capsys, "--num_clips", "2")
+    assert code == 2 and "--num_clips belongs to speech-to-video" in err
+    assert sorted(os.listdir(tmp_path)) == ["audio", "good", "layers", "ref"]
