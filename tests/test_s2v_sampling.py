@@ -50,9 +50,23 @@ def setup(seed=0, motion=False, clips=2):
     return pipe, {None: random_model(NAME, std=0.2)}, shape, tensors
 
 
-def run(backend_cls, config, *, motion=False, **kw):
+_SHARED: dict = {}  # SignalPlan -> the JaxBackend the TeaCache tests share (its programs compiled once)
+
+
+def backend_for(backend_cls, config, models, *, shared=False):
+    """A fresh backend for `config`'s plan; shared=True: on JAX, one per plan for the tests that
+    ask (their runs then compile nothing the first did not)."""
+    plan = SignalPlan.from_config(config)
+    if not shared or backend_cls is not JaxBackend:
+        return backend_cls(models, plan)
+    if plan not in _SHARED:
+        _SHARED[plan] = backend_cls(models, plan)
+    return _SHARED[plan]
+
+
+def run(backend_cls, config, *, motion=False, shared=False, **kw):
     pipe, models, shape, tensors = setup(motion=motion)
-    backend = backend_cls(models, SignalPlan.from_config(config))
+    backend = backend_for(backend_cls, config, models, shared=shared)
     clips = sample_clips(backend, config, pipe, tensors, shape, seed=0, solver=pipe.solver,
                          steps=kw.pop("steps", STEPS), shift=pipe.shift, **kw)
     return clips, tensors
@@ -101,7 +115,7 @@ def test_caching_off_clip_loop_equals_the_plain_reference_on_jax():
 
 def test_torch_and_jax_take_the_same_decisions_per_clip():
     config = CMConfig(teacache=TeaCacheConfig(threshold=0.12))
-    jax_clips, _ = run(JaxBackend, config, motion=True)  # the first clip shows a given history
+    jax_clips, _ = run(JaxBackend, config, motion=True, shared=True)  # the first clip shows a given history
     torch_clips, tensors = run(TorchBackend, config, motion=True)
     def trace(clips):
         return [(r["clip"], r["step"], r["branch"], r["action"])
@@ -132,7 +146,7 @@ def _guarded(backend_cls, ctrl_guard, change_at=5):
     """Clip 1's speech is revised at step `change_at` (a streaming front end)."""
     pipe, models, shape, tensors = setup()
     config = CMConfig(teacache=TeaCacheConfig(threshold=10.0), ctrl_guard=ctrl_guard)
-    backend = backend_cls(models, SignalPlan.from_config(config))
+    backend = backend_for(backend_cls, config, models, shared=True)
     revised = torch.randn(1, 25, 16, 16, generator=torch.Generator().manual_seed(5))
     clips = sample_clips(backend, config, pipe, tensors, shape, seed=0, solver="unipc",
                          steps=STEPS, shift=3.0, audio_updates={1: {change_at: revised}})
