@@ -1,5 +1,6 @@
 """Run by tests/test_sequence_parallel_jax.py in a fresh process with 8 emulated CPU devices
-(the flag must be set before jax starts). Prints one JSON object of measured facts."""
+(the flag must be set before jax starts), one model family a process. Prints one JSON object of
+measured facts."""
 
 import os
 import sys
@@ -25,12 +26,24 @@ CONFIGS = {
     "off": {},
     "teacache": dict(teacache=TeaCacheConfig(threshold=0.4)),
     "fbcache": dict(fbcache=FBCacheConfig(metric="residual_tensor_rel_l1", threshold=1.0)),
+    # one collective for every signal of a call: TeaCache and FBCache (with its reference and
+    # saliency) in one probe
+    "both": dict(teacache=TeaCacheConfig(threshold=0.4),
+                 fbcache=FBCacheConfig(metric="residual_tensor_rel_l1", threshold=1.0, saliency=0.2)),
 }
-# (config, sp, cfg, weights): the multi-device runs; each is compared with one device, same config
-CASES = [("teacache", 2, 1, "replicated"), ("fbcache", 4, 1, "replicated"),
-         ("off", 8, 1, "replicated"),
-         ("teacache", 2, 2, "replicated"), ("fbcache", 4, 2, "replicated"),
-         ("teacache", 4, 1, "fsdp"), ("fbcache", 2, 2, "fsdp"), ("off", 8, 1, "fsdp")]
+# (config, sp, cfg, weights): the multi-device runs; each is compared with one device, same
+# config. Every mesh shape once at least, FSDP on three; TeaCache alone, FBCache alone (under CFG
+# parallel) and both at once (with and without it). A mesh run with FSDP weights is the
+# replicated run plus each block's gathers, so sp 8 runs once, with FSDP. The two "both" runs on
+# sp 4 compiled the probe and middle programs whose collectives are counted (counting them
+# compiles nothing more).
+CASES = [("teacache", 2, 1, "replicated"), ("both", 4, 1, "replicated"), ("both", 4, 1, "fsdp"),
+         ("off", 8, 1, "fsdp"), ("both", 4, 2, "replicated"), ("fbcache", 2, 2, "fsdp")]
+# hunyuanvideo-tiny has 60 tokens and 2 heads: sp 3 divides the tokens (and the latent's 3
+# frames), 7 divides nothing (padded shards, gathered K/V; nor any weight, so FSDP would leave
+# every weight whole: replicated says so)
+EXTRA_CASES = {"hunyuanvideo-tiny": [("teacache", 3, 1, "fsdp"), ("teacache", 7, 1, "replicated")]}
+COUNTED = {"replicated": ("both", 4, 1, "replicated"), "fsdp": ("both", 4, 1, "fsdp")}
 STEPS = 10
 COLLECTIVE = re.compile(r"\b(all-reduce|all-to-all|all-gather|collective-permute|reduce-scatter)"
                         r"(-start|-done)?\(")
@@ -54,22 +67,32 @@ def main(name: str):
         history = torch.randn(1, 16, 19, *shape[3:], generator=torch.Generator().manual_seed(1))
         tensors = pipe.clip_inputs(tensors, 1, history, shape)
 
-    def run(config, mesh, weights="replicated"):
+    def run(config, backend):
         fused = config.cfg_mode == "fused"
-        backend = JaxBackend(models, SignalPlan.from_config(config), mesh=mesh, weights=weights)
         sample = make_sample(backend, pipe, tensors, shape, image=image, seed=0, fused_cfg=fused)
         traj = sample_once(backend, config, sample, solver=pipe.solver, steps=STEPS, shift=pipe.shift)
         trace = [(r["step"], r["branch"], r["action"], r["reason"]) for r in traj.gate.telemetry.trace]
-        return backend, sample, backend.get(traj.latents), trace, traj.loop_compiles.lowered
+        return sample, backend.get(traj.latents), trace, traj.loop_compiles.lowered
 
-    facts, baselines = {"cases": []}, {}
-    for cname, sp, cfg, weights in CASES:
+    facts, baselines, one_device, kept = {"cases": []}, {}, {}, {}
+    for case in CASES + EXTRA_CASES.get(name, []):
+        cname, sp, cfg, weights = case
         mode = "fused" if cfg > 1 else "cond_authoritative"
         config = CMConfig(**CONFIGS[cname], cfg_mode=mode)
         if (cname, mode) not in baselines:
-            baselines[(cname, mode)] = run(config, None)[2:4]
+            # one device: caching off runs on any plan's programs (the gate always computes), so
+            # it shares the single-device backend of "both"
+            plan_of = "both" if cname == "off" else cname
+            if (plan_of, mode) not in one_device:
+                plan = SignalPlan.from_config(CMConfig(**CONFIGS[plan_of], cfg_mode=mode))
+                one_device[(plan_of, mode)] = JaxBackend(models, plan)
+            baselines[(cname, mode)] = run(config, one_device[(plan_of, mode)])[1:3]
         ref, ref_trace = baselines[(cname, mode)]
-        backend, _, out, trace, loop = run(config, make_mesh(sp, cfg), weights)
+        backend = JaxBackend(models, SignalPlan.from_config(config), mesh=make_mesh(sp, cfg),
+                             weights=weights)
+        sample, out, trace, loop = run(config, backend)
+        if case in COUNTED.values():
+            kept[case] = backend, sample
         reused = sum(action == "skip" for _, _, action, _ in trace)
         split = sum(len(a.sharding.device_set) > 1 and not a.sharding.is_fully_replicated
                     for a in backend.params[pipe.experts[0][0]].values())
@@ -77,28 +100,25 @@ def main(name: str):
                                    split_weights=split, rel_err=rel_err(out, ref),
                                    trace_equal=trace == ref_trace, reused=reused,
                                    loop_compiles=loop, device=backend.device_name()))
-    # one collective for every signal of a call: TeaCache and FBCache (with its reference) on
-    both = CMConfig(teacache=TeaCacheConfig(), fbcache=FBCacheConfig(metric="residual_tensor_rel_l1",
-                                                                      saliency=0.2))
-    backend = JaxBackend(models, SignalPlan.from_config(both), mesh=make_mesh(4, 1),
-                         weights="replicated")
-    sample = make_sample(backend, pipe, tensors, shape, image=image, seed=0)
-    conds = sample.conds["cond"]
-    t = backend.put(pipe.timestep_input(999.0, shape, image))
+    # the collectives of the programs those runs compiled (the same arguments: no new compile)
     expert = pipe.experts[0][0]
-    args = (backend._weights_of["probe"][expert], sample.noise, t, *backend.rope,
-            backend.zero_reference, sample.noise, *(conds[n] for n in backend.cond_names))
-    hidden, ctx, signals, _ = backend.probe(expert, sample.noise, t, conds, None)
-    facts["probe_signal_columns"] = int(signals.shape[1])
-    facts["probe_collectives"] = collectives(backend.programs()["probe"].lower(*args).compile().as_text())
-    facts["traced_signal_psums"] = backend.layout.signal_collectives
-    mid = (backend._weights_of["middle"][expert], hidden, ctx)
-    facts["middle_collectives"] = collectives(backend.programs()["middle"].lower(*mid).compile().as_text())
-    # FSDP: the middle gathers each block's split weights (all-gather), nothing else changes
-    fsdp = JaxBackend(models, SignalPlan.from_config(both), mesh=make_mesh(4, 1), weights="fsdp")
-    make_sample(fsdp, pipe, tensors, shape, image=image, seed=0)
-    mid = (fsdp._weights_of["middle"][expert], hidden, ctx)
-    facts["fsdp_middle_collectives"] = collectives(fsdp.programs()["middle"].lower(*mid).compile().as_text())
+    for weights, case in COUNTED.items():
+        backend, sample = kept[case]
+        conds = sample.conds["cond"]
+        t = backend.put(pipe.timestep_input(999.0, shape, image))
+        args = (backend._weights_of["probe"][expert], sample.noise, t, *backend.rope,
+                backend.zero_reference, sample.noise, *(conds[n] for n in backend.cond_names))
+        hidden, ctx, signals, _ = backend.probe(expert, sample.noise, t, conds, None)
+        mid = (backend._weights_of["middle"][expert], hidden, ctx)
+        middle = collectives(backend.programs()["middle"].lower(*mid).compile().as_text())
+        if weights == "fsdp":  # the middle gathers each block's split weights, nothing else changes
+            facts["fsdp_middle_collectives"] = middle
+            continue
+        facts["middle_collectives"] = middle
+        facts["probe_signal_columns"] = int(signals.shape[1])
+        facts["probe_collectives"] = collectives(
+            backend.programs()["probe"].lower(*args).compile().as_text())
+        facts["traced_signal_psums"] = backend.layout.signal_collectives
     print(json.dumps(facts))
 
 

@@ -28,6 +28,17 @@ NAME = "wan-tiny-s2v"
 STEPS = 8
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The torch runs here (the backend and the eager reference) on one thread: with both cores
+    busy (pytest -n 2), a second OpenMP thread spin-waits for its turn, ~40x slower (wan-tiny-s2v's
+    plain reference: 0.7 s on one thread, 30 s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def setup(seed=0, motion=False, clips=2):
     pipe = get_pipeline(NAME)
     shape = pipe.latent_shape(*pipe.size)
@@ -39,9 +50,23 @@ def setup(seed=0, motion=False, clips=2):
     return pipe, {None: random_model(NAME, std=0.2)}, shape, tensors
 
 
-def run(backend_cls, config, *, motion=False, **kw):
+_SHARED: dict = {}  # SignalPlan -> the JaxBackend the TeaCache tests share (its programs compiled once)
+
+
+def backend_for(backend_cls, config, models, *, shared=False):
+    """A fresh backend for `config`'s plan; shared=True: on JAX, one per plan for the tests that
+    ask (their runs then compile nothing the first did not)."""
+    plan = SignalPlan.from_config(config)
+    if not shared or backend_cls is not JaxBackend:
+        return backend_cls(models, plan)
+    if plan not in _SHARED:
+        _SHARED[plan] = backend_cls(models, plan)
+    return _SHARED[plan]
+
+
+def run(backend_cls, config, *, motion=False, shared=False, **kw):
     pipe, models, shape, tensors = setup(motion=motion)
-    backend = backend_cls(models, SignalPlan.from_config(config))
+    backend = backend_for(backend_cls, config, models, shared=shared)
     clips = sample_clips(backend, config, pipe, tensors, shape, seed=0, solver=pipe.solver,
                          steps=kw.pop("steps", STEPS), shift=pipe.shift, **kw)
     return clips, tensors
@@ -90,7 +115,7 @@ def test_caching_off_clip_loop_equals_the_plain_reference_on_jax():
 
 def test_torch_and_jax_take_the_same_decisions_per_clip():
     config = CMConfig(teacache=TeaCacheConfig(threshold=0.12))
-    jax_clips, _ = run(JaxBackend, config, motion=True)  # the first clip shows a given history
+    jax_clips, _ = run(JaxBackend, config, motion=True, shared=True)  # the first clip shows a given history
     torch_clips, tensors = run(TorchBackend, config, motion=True)
     def trace(clips):
         return [(r["clip"], r["step"], r["branch"], r["action"])
@@ -121,7 +146,7 @@ def _guarded(backend_cls, ctrl_guard, change_at=5):
     """Clip 1's speech is revised at step `change_at` (a streaming front end)."""
     pipe, models, shape, tensors = setup()
     config = CMConfig(teacache=TeaCacheConfig(threshold=10.0), ctrl_guard=ctrl_guard)
-    backend = backend_cls(models, SignalPlan.from_config(config))
+    backend = backend_for(backend_cls, config, models, shared=True)
     revised = torch.randn(1, 25, 16, 16, generator=torch.Generator().manual_seed(5))
     clips = sample_clips(backend, config, pipe, tensors, shape, seed=0, solver="unipc",
                          steps=STEPS, shift=3.0, audio_updates={1: {change_at: revised}})
@@ -177,6 +202,15 @@ def _cli(cwd, *args, devices=None, **extra_env):
                           capture_output=True, text=True)
 
 
+def _refused(capsys, *args):
+    """(exit code, stderr) of the command's own main in this process: a refusal comes before any
+    model or device work, so a child apiece would only add an import of torch and JAX."""
+    from stage2_transformer_flax_deepcache import main
+
+    code = main([*args, "--no_progress"])
+    return code, capsys.readouterr().err
+
+
 def test_acceptance_command_runs_every_clip_without_loop_compiles(tmp_path):
     out = _cli(tmp_path, "--teacache", "--compare", "--num_inference_steps", "12",
                "--telemetry_csv", "trace.csv")
@@ -196,15 +230,19 @@ def test_acceptance_command_runs_every_clip_without_loop_compiles(tmp_path):
     assert not (tmp_path / "stage_outputs" / "output_video.mp4").exists()
 
 
-def test_clips_on_a_sequence_and_cfg_parallel_mesh_compile_nothing_in_the_loop(tmp_path):
+def test_clips_on_a_sequence_and_cfg_parallel_mesh_compile_nothing_in_the_loop(tmp_path, monkeypatch,
+                                                                              capsys):
     out = _cli(tmp_path, "--teacache", "--sp_size", "2", "--cfg_parallel", "--num_inference_steps",
                "6", "--num_clips", "2", devices=4)
     assert out.returncode == 0, out.stderr
     assert "x4 (sp 2, cfg 2, weights fsdp)" in out.stdout and "clip 1: pair" in out.stdout
     assert "loop 0\n" in out.stdout
     # as one rank of a 2-process torchrun world would see it (the world itself fits the flags)
-    out = _cli(tmp_path, "--backend", "torch", "--sp_size", "2", WORLD_SIZE="2", RANK="0")
-    assert out.returncode == 2 and "sequence/CFG parallel on the JAX backend only" in out.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    code, err = _refused(capsys, "--model", NAME, "--backend", "torch", "--sp_size", "2")
+    assert code == 2 and "sequence/CFG parallel on the JAX backend only" in err
 
 
 def _stage1(directory, tensors, **config):
@@ -214,7 +252,8 @@ def _stage1(directory, tensors, **config):
     (directory / "generation_config.json").write_text(json.dumps({"model": NAME, **config}))
 
 
-def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path):
+def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path, monkeypatch,
+                                                                        capsys):
     _, _, _, tensors = setup(motion=True, clips=3)
     good = tmp_path / "good"
     _stage1(good, tensors, num_inference_steps=4)
@@ -222,6 +261,7 @@ def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path)
     assert out.returncode == 0, out.stderr
     latents = load_file(str(good / "stage2_latents.safetensors"))["latents"]
     assert latents.shape == (1, 16, 8, 8, 8)
+    monkeypatch.chdir(tmp_path)
     cases = {
         "audio": ({**tensors, "audio_embeds": tensors["audio_embeds"][..., :20]},
                   "multiple of the 16 frames"),
@@ -233,11 +273,11 @@ def test_stage_files_drive_the_clips_and_bad_ones_stop_before_sampling(tmp_path)
         folder = tmp_path / name
         _stage1(folder, bad)
         before = sorted(os.listdir(folder))
-        out = _cli(tmp_path, "--input_dir", str(folder))
-        assert out.returncode == 2 and message in out.stderr, (name, out.stderr)
+        code, err = _refused(capsys, "--model", NAME, "--input_dir", str(folder))
+        assert code == 2 and message in err, (name, err)
         assert sorted(os.listdir(folder)) == before
-    out = _cli(tmp_path, "--input_dir", str(good), "--num_clips", "4")
-    assert out.returncode == 2 and "holds 3 clips" in out.stderr
-    out = subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
-                          "--num_clips", "2"], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == 2 and "--num_clips belongs to speech-to-video" in out.stderr
+    code, err = _refused(capsys, "--model", NAME, "--input_dir", str(good), "--num_clips", "4")
+    assert code == 2 and "holds 3 clips" in err
+    code, err = _refused(capsys, "--num_clips", "2")
+    assert code == 2 and "--num_clips belongs to speech-to-video" in err
+    assert sorted(os.listdir(tmp_path)) == ["audio", "good", "layers", "ref"]
