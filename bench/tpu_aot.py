@@ -122,8 +122,9 @@ def decode_line(r: dict, stage2: dict | None) -> str:
         run2 = f"{stage2['seconds']['run_cached']:.1f}"
         frac = r["roofline_seconds"] / stage2["seconds"]["run_cached"]
         share = f"{frac:.1%} ({'met' if frac <= DECODE_SHARE else 'NOT met'})"
-    return (f"| {r['model']} ({r['vae']}) | {r['topology']} ({chip['name']}) | {r['devices']} of "
-            f"{r['chips']} | {' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
+    return (f"| {r['model']} ({r['vae']}, {r['dtype']}) | {r['topology']} ({chip['name']}) | "
+            f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}) | "
+            f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
             f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
             f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "
             f"({max(('compute', 'hbm', 'ici'), key=lambda k: steady.get(k, 0))}) | "
@@ -137,16 +138,18 @@ def decode_lines(only, rerun: bool) -> list[str]:
         "`python bench/tpu_aot.py` (each row: `python -m tpu.vae_aot <row arguments>`). The",
         "pipeline's released VAE built on the meta device, its decode traced by `tpu.vae` as stage 3",
         "runs it on JAX (a first program for latent frame 0, a steady one for each further latent",
-        "frame with the causal caches carried; the frame's rows split over the most chips that",
-        "divide the latent height), in fp32 as stage 3's default, compiled for the slice. Per chip:",
-        "GiB of the whole decode (weights, carried caches and inputs, the program's temporaries and",
-        "outputs, and the previous video chunk on its way to the host), TFLOP of the whole clip,",
-        "the steady program's roofline (its bound), the clip's roofline (first + steady per further",
-        "latent frame), and its share of the stage-2 run's roofline with the default cache schedule",
-        f"(the table above); the goal is at most {DECODE_SHARE:.0%}.",
+        "frame with the causal caches carried; the frame split by rows, or by columns where the",
+        "rows do not divide, over the largest divisor of the chip count that divides them:",
+        "`tpu.vae.split_plan`), in fp32 as stage 3's default unless the row says bf16, compiled for",
+        "the slice. Per chip: GiB of the whole decode (weights, carried caches and inputs, the",
+        "program's temporaries and outputs, and the previous video chunk on its way to the host),",
+        "TFLOP of the whole clip, the steady program's roofline (its bound), the clip's roofline",
+        "(first + steady per further latent frame), and its share of the stage-2 run's roofline",
+        f"with the default cache schedule (the table above); the goal is at most {DECODE_SHARE:.0%}.",
         "",
-        "| decode | slice | chips used | video (frames x H x W) | fits (GiB left) | GiB per chip "
-        "| compile s | TFLOP | steady ms (bound) | roofline s | stage-2 run s, cached | share |",
+        "| decode | slice | chips used (split) | video (frames x H x W) | fits (GiB left) | GiB per "
+        "chip | compile s | TFLOP per chip | steady ms (bound) | roofline s | stage-2 run s, cached "
+        "| share |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     missing = []
@@ -161,9 +164,12 @@ def decode_lines(only, rerun: bool) -> list[str]:
             report = run_decode_row(name, row_args, rerun)
         s2 = OUT / f"{stage2_name}.json"
         lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
+    lines += ["", "Compile seconds: on this 2-core machine beside other jobs (load average 5-8). The "
+              "reports compiled before tpu.vae placed the decoder's weights alone count the "
+              "encoder's too in GiB per chip (Wan2.2 VAE: 2.63 GiB where the decode reads 2.02)."]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
-                  f"--only {','.join(missing)}` adds them."]
+                  f"--decode_only --only {','.join(missing)}` adds them."]
     return lines + [""]
 
 
