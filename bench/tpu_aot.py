@@ -81,31 +81,18 @@ ANCHOR = ("HunyuanVideo-1.5 720p 121 frames on v6e-8, measured by the anchor (gp
           "DeepCache ~1.8x (1.83x measured at 49 frames)")
 
 
-def run_row(name: str, args: str, rerun: bool) -> dict:
+def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
+    """One row's report: `python -m <module> <args> --json`, reused unless `rerun`."""
     path = OUT / f"{name}.json"
     if path.exists() and not rerun:
         return json.loads(path.read_text())
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     began = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "tpu.aot", *args.split(), *CACHE.split(),
-                          "--json", str(path)], cwd=ROOT, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{name}: tpu.aot failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    (OUT / f"{name}.txt").write_text(out.stdout)
-    print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
-    return json.loads(path.read_text())
-
-
-def run_decode_row(name: str, args: str, rerun: bool) -> dict:
-    path = OUT / f"{name}.json"
-    if path.exists() and not rerun:
-        return json.loads(path.read_text())
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    began = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "tpu.vae_aot", *args.split(), "--json", str(path)],
+    extra = CACHE.split() if module == "tpu.aot" else []
+    out = subprocess.run([sys.executable, "-m", module, *args.split(), *extra, "--json", str(path)],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"{name}: tpu.vae_aot failed ({out.returncode}):\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{name}: {module} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     (OUT / f"{name}.txt").write_text(out.stdout)
     print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
     return json.loads(path.read_text())
@@ -161,7 +148,7 @@ def decode_lines(only, rerun: bool) -> list[str]:
                 continue
             report = json.loads(path.read_text())
         else:
-            report = run_decode_row(name, row_args, rerun)
+            report = run_row(name, row_args, rerun, "tpu.vae_aot")
         s2 = OUT / f"{stage2_name}.json"
         lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
     lines += ["", "Compile seconds: on this 2-core machine beside other jobs (load average 5-8). The "
