@@ -26,7 +26,9 @@ FAMILIES = ("hunyuanvideo-tiny", "wan-tiny-i2v", "wan-tiny-s2v")
 
 
 def _facts(name):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # torch on one thread in the child (it builds the models): on busy cores a second OpenMP
+    # thread spin-waits for its turn
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "sp_jax_check.py"), name], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -66,7 +68,7 @@ def test_sharded_runs_equal_one_device_with_the_same_decisions_and_one_all_reduc
 
 
 def _cli(tmp_path, *args, devices=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"}
     if devices:
         env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
                             "--xla_backend_optimization_level=0")
