@@ -39,7 +39,10 @@ def _facts(name):
 def test_sharded_runs_equal_one_device_with_the_same_decisions_and_one_all_reduce_per_probe(name):
     f = _facts(name)
     cases = f["cases"]
-    assert {(c["sp"], c["cfg"]) for c in cases} >= {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)}
+    shapes = {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)}
+    if name == "hunyuanvideo-tiny":  # 60 tokens, 2 heads: 3 divides only the tokens, 7 nothing
+        shapes |= {(3, 1), (7, 1)}
+    assert {(c["sp"], c["cfg"]) for c in cases} == shapes
     fsdp = {(4, 1), (2, 2), (8, 1)} | ({(3, 1)} if name == "hunyuanvideo-tiny" else set())
     assert {(c["sp"], c["cfg"]) for c in cases if c["weights"] == "fsdp"} == fsdp
     assert {c["weights"] for c in cases if c["cfg"] == 1} == {"replicated", "fsdp"}
