@@ -193,7 +193,9 @@ def test_clip_counts_and_geometry_are_checked():
 # --- the command ---------------------------------------------------------------------------------
 
 def _cli(cwd, *args, devices=None, **extra_env):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | extra_env
+    # torch on one thread (the command builds the model with it): with both cores busy a second
+    # OpenMP thread spin-waits for its turn
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"} | extra_env
     if devices:
         env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
                             "--xla_backend_optimization_level=0")

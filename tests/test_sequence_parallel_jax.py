@@ -26,7 +26,9 @@ FAMILIES = ("hunyuanvideo-tiny", "wan-tiny-i2v", "wan-tiny-s2v")
 
 
 def _facts(name):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # torch on one thread in the child (it builds the models): on busy cores a second OpenMP
+    # thread spin-waits for its turn
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "sp_jax_check.py"), name], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -37,7 +39,10 @@ def _facts(name):
 def test_sharded_runs_equal_one_device_with_the_same_decisions_and_one_all_reduce_per_probe(name):
     f = _facts(name)
     cases = f["cases"]
-    assert {(c["sp"], c["cfg"]) for c in cases} >= {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)}
+    shapes = {(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)}
+    if name == "hunyuanvideo-tiny":  # 60 tokens, 2 heads: 3 divides only the tokens, 7 nothing
+        shapes |= {(3, 1), (7, 1)}
+    assert {(c["sp"], c["cfg"]) for c in cases} == shapes
     fsdp = {(4, 1), (2, 2), (8, 1)} | ({(3, 1)} if name == "hunyuanvideo-tiny" else set())
     assert {(c["sp"], c["cfg"]) for c in cases if c["weights"] == "fsdp"} == fsdp
     assert {c["weights"] for c in cases if c["cfg"] == 1} == {"replicated", "fsdp"}
@@ -66,7 +71,7 @@ def test_sharded_runs_equal_one_device_with_the_same_decisions_and_one_all_reduc
 
 
 def _cli(tmp_path, *args, devices=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"}
     if devices:
         env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
                             "--xla_backend_optimization_level=0")

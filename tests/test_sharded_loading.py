@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def facts():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # torch on one thread in the child (it writes and reads the checkpoints): on busy cores a
+    # second OpenMP thread spin-waits for its turn
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "sharded_load_check.py")], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -52,7 +52,7 @@ def test_jax_decode_equals_diffusers_compiles_nothing_in_the_loop_and_splits_its
     over 2/4/8 devices equal one device: GSPMD partitions the convolutions, each 3x3 conv
     exchanges one-row halos by collective-permute, attention gathers its K/V; nothing else
     moves."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "vae_jax_check.py")], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
