@@ -93,6 +93,7 @@ class Family:
     sublayers: tuple[str, ...]
     sublayers_theirs: tuple[str, ...]
     per_call: str  # our module that runs once per model call (prepare), to split the count
+    trained: bool = False  # the pipeline's committed checkpoint (issue 28), not random weights
 
 
 def families(blocks: int, hy_blocks: int) -> dict[str, Family]:
@@ -110,6 +111,48 @@ def families(blocks: int, hy_blocks: int) -> dict[str, Family]:
                           "transformer_blocks", ("img_attn_q", "img_mlp.fc1", "txt_mlp.fc1"),
                           ("attn.to_q", "ff.net.0.proj", "ff_context.net.0.proj"), "time_in.mlp"),
     }
+
+
+# The tiny models trained here on procedural clips (issue 28, bench/fixtures): the family's
+# pipeline in sampling/pipelines.py, whose committed checkpoint (`builtin`) is loaded by the same
+# loader as a real checkpoint.
+TRAINED = {"wan": "wan-tiny-trained", "hunyuan": "hunyuanvideo-tiny-trained"}
+FOLLOW_SEEDS = tuple(range(10, 34))  # held-out prompts of the prompt-following runs (none of
+# them is the evaluated draw or a calibration draw: SEED, CALIBRATION_SEED, BUDGET_SEEDS)
+PROMPT_SEED = 1234  # the order of the held-out combinations (bench/fixtures/evaluate.py's)
+
+
+def trained_families() -> dict[str, Family]:
+    """Each family whose trained pipeline exists: its own size, config and blocks."""
+    out = {}
+    for key, fam in families(1, 1).items():
+        name = TRAINED[key]
+        if name not in PIPELINES:
+            continue
+        pipe = PIPELINES[name]
+        title = fam.title.split(" (")[0].replace("-shaped", "-style")
+        out[key] = dataclasses.replace(
+            fam, title=f"{title}, trained here ({pipe.builtin}, {pipe.config.num_layers} blocks)",
+            pipeline=name, config=pipe.config, size=pipe.size, trained=True)
+    return out
+
+
+def held_out_clip(seed: int):
+    """The held-out prompt (an attribute combination never trained on, bench/fixtures/videos.py
+    split) that draw `seed` of the trained regime asks for."""
+    from bench.fixtures import videos as V
+    from bench.fixtures.evaluate import held_out_clips
+    from bench.fixtures.train import SPLIT_SEED
+    clips, _ = held_out_clips(V.split(SPLIT_SEED)[1], seed + 1, PROMPT_SEED)
+    return clips[seed]
+
+
+def prompt_tensors(pipe, seed: int) -> dict:
+    """Stage-1 tensors of draw `seed`'s held-out prompt, through the pipeline's own encoder."""
+    from encoders import for_pipeline
+    from encoders.request import Request
+    tensors, _ = for_pipeline(pipe).encode(pipe, Request(prompt=held_out_clip(seed).prompt), None)
+    return tensors
 
 
 def deep_pipeline(family: Family):
@@ -142,20 +185,31 @@ class Workload:
         return noise_for(self.shape, self.seed)
 
     def reseeded(self, seed: int) -> "Workload":
-        """The same model and settings on another draw of noise and stage-1 tensors."""
-        return dataclasses.replace(self, seed=seed,
-                                   tensors=self.pipe.synthesize(self.shape, True, False, seed))
+        """The same model and settings on another draw of noise and stage-1 tensors (trained
+        regime: another held-out prompt)."""
+        return dataclasses.replace(self, seed=seed, tensors=draw_tensors(self.family, self.pipe,
+                                                                         self.shape, seed))
+
+
+def draw_tensors(family: Family, pipe, shape, seed: int) -> dict:
+    if family.trained:
+        return prompt_tensors(pipe, seed)
+    return pipe.synthesize(shape, True, False, seed)
 
 
 def build_workload(family: Family, steps: int | None = None) -> Workload:
     pipe = deep_pipeline(family)
-    torch.manual_seed(0)
-    model = smooth_in_t(build_model(family.config)).eval()
+    if family.trained:
+        from modules.checkpoint import load_model
+        model = load_model(pipe.builtin_path)[0].eval()
+    else:
+        torch.manual_seed(0)
+        model = smooth_in_t(build_model(family.config)).eval()
     convert = wan_to_diffusers if family.key == "wan" else hunyuan_to_diffusers
     shape = pipe.latent_shape(*pipe.size)
-    tensors = pipe.synthesize(shape, True, False, SEED)
-    return Workload(family, pipe, model, convert(model.state_dict()), tensors, shape,
-                    steps or pipe.steps, pipe.guidance_for(None))
+    return Workload(family, pipe, model, convert(model.state_dict()),
+                    draw_tensors(family, pipe, shape, SEED), shape, steps or pipe.steps,
+                    pipe.guidance_for(None))
 
 
 def diffusers_model(wl: Workload) -> torch.nn.Module:
@@ -245,6 +299,7 @@ class Run:
     per_call: list[float]
     trace: Any = None  # the method's own decisions
     note: str = ""  # what the run chose for itself (the budget's threshold), shown by its setting
+    follow: dict | None = None  # trained regime: prompt following over the pooled prompts
 
 
 def run_ours(wl: Workload, config: CMConfig, counter: BlockCounter) -> Run:
@@ -322,6 +377,35 @@ def run_diffusers(wl: Workload, setup: Callable | None = None) -> Run:
     trace = tracer() if tracer is not None else None
     counter.remove()
     return Run(latents, wall, cpu, counter.fraction, counter.blocks_per_call(), trace)
+
+
+# --- prompt following (trained regime) --------------------------------------------------------
+
+MAPPING = {None: "pixels", "pixels": "pixels", "pixel-deltas": "deltas",
+           "pixel-anchored": "anchored"}  # pipeline latent spec -> bench/fixtures/videos.py's
+
+
+def over_prompts(wl: Workload, go: Callable, seeds) -> Run:
+    """Trained regime: one setting run on each held-out prompt of `seeds` (a fresh noise draw
+    each) and pooled into one Run: latents and noise stacked on the batch axis (so PSNR and rel
+    L2 pool the error of every prompt, where one draw's figure jumps with where the object
+    went), CPU and wall summed, the computed fraction averaged. `run.follow`: the fixtures'
+    analyser on each decoded video, per attribute, and the hits per prompt."""
+    from bench.fixtures import analyser
+    from bench.fixtures import videos as V
+
+    runs, hits = [], []
+    for seed in seeds:
+        run = go(wl.reseeded(seed))
+        video = V.from_latent(run.latents.float().numpy()[0], MAPPING[wl.pipe.latent])
+        hits.append(analyser.score(video, held_out_clip(seed)))
+        runs.append(run)
+    out = Run(torch.cat([r.latents for r in runs]), sum(r.wall for r in runs),
+              sum(r.cpu for r in runs), sum(r.fraction for r in runs) / len(runs),
+              [c for r in runs for c in r.per_call], [r.trace for r in runs], runs[0].note)
+    out.follow = {**{k: sum(h[k] for h in hits) / len(hits) for k in analyser.ATTRIBUTES},
+                  "hits": [{k: bool(v) for k, v in h.items()} for h in hits]}
+    return out
 
 
 # --- the peers, as installed libraries --------------------------------------------------------
@@ -458,6 +542,14 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     """Every curve, in plot order: peers first, then ours. `cache` keeps per-family results
     that several settings share (MagCache ratios, the budget profile)."""
     pick = (lambda xs: xs[::2] if len(xs) > 2 else xs) if quick else (lambda xs: xs)
+    trained = wl.family.trained
+
+    def grid(random, on_trained):
+        """The settings swept: trained models move further between steps (issue 28: the same
+        threshold computes 19% of blocks on random weights and 44% on trained), so their
+        thresholds reach higher."""
+        return pick(on_trained if trained else random)
+
     out = []
 
     # diffusers hooks (as installed: diffusers 0.42.1)
@@ -468,7 +560,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
 
     out.append(Method("diffusers FBC", "diffusers", [
         (f"threshold {th}", hook(lambda th=th: FirstBlockCacheConfig(threshold=th)))
-        for th in pick([0.02, 0.05, 0.1, 0.2])], "FirstBlockCacheConfig"))
+        for th in grid([0.02, 0.05, 0.1, 0.2], [0.05, 0.1, 0.2, 0.4, 0.8])],
+        "FirstBlockCacheConfig"))
 
     def mag(th, k):
         def go(w):
@@ -481,7 +574,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
 
     out.append(Method("diffusers MagCache", "diffusers", [
         (f"threshold {th}, K {k}", mag(th, k))
-        for th, k in pick([(0.001, 3), (0.003, 3), (0.01, 3), (0.06, 5)])],
+        for th, k in grid([(0.001, 3), (0.003, 3), (0.01, 3), (0.06, 5)],
+                          [(0.01, 3), (0.03, 3), (0.06, 3), (0.12, 4), (0.24, 6)])],
         "MagCacheConfig, ratios from its calibration run on a held-out draw, retention 0.2"))
     out.append(Method("diffusers TaylorSeer", "diffusers", [
         (f"interval {iv}", hook(lambda iv=iv: TaylorSeerCacheConfig(
@@ -491,7 +585,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         "TaylorSeerCacheConfig, order 1, fp32 factors, attention and FFN modules of every block"))
     out.append(Method("diffusers SeaCache", "diffusers", [
         (f"threshold {th}", hook(lambda th=th: SeaCacheConfig(threshold=th)))
-        for th in pick([0.1, 0.25, 1.0])], "SeaCacheConfig (also in diffusers 0.42.1)"))
+        for th in grid([0.1, 0.25, 1.0], [0.25, 0.5, 1.0, 2.0])],
+        "SeaCacheConfig (also in diffusers 0.42.1)"))
 
     # cache-dit (as installed), DBCache on the transformer
     try:
@@ -500,7 +595,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     except Exception as exc:  # noqa: BLE001 - any import failure means: not available
         version = None
         missing = f"cache-dit cannot be imported ({type(exc).__name__}: {exc})"
-    for fn, ts in ((1, False), (1, True), (8, False), (8, True)):
+    wide = 8 if not trained else max(2, wl.family.config.num_layers // 2)  # Fn < the blocks
+    for fn, ts in ((1, False), (1, True), (wide, False), (wide, True)):
         name = f"cache-dit F{fn}B0" + (" +TaylorSeer" if ts else "")
         if version is None:
             out.append(Method(name, "cache-dit", [("-", _unavailable(missing))]))
@@ -508,7 +604,7 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         out.append(Method(name, "cache-dit", [
             (f"rdt {rdt}", lambda w, fn=fn, rdt=rdt, ts=ts: run_diffusers(
                 w, cachedit_setup(w, fn, 0, rdt, ts)))
-            for rdt in pick([0.04, 0.1, 0.25])],
+            for rdt in grid([0.04, 0.1, 0.25], [0.1, 0.25, 0.5, 1.0])],
             f"cache-dit {version} DBCache, max_warmup_steps 8 (library default)"
             + (", TaylorSeer calibrator order 1" if ts else "")))
 
@@ -519,11 +615,12 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     fb = lambda th: FBCacheConfig(threshold=th, metric="residual_tensor_rel_l1")  # noqa: E731
     out.append(Method("ours TeaCache", "ours", [
         (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th))))
-        for th in pick([0.001, 0.002, 0.005, 0.01])],
+        for th in grid([0.001, 0.002, 0.005, 0.01], [0.005, 0.01, 0.02, 0.05])],
         "linear policy on block 0's modulated input"))
     out.append(Method("ours FBCache", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fb(th))))
-        for th in pick([0.02, 0.05, 0.1, 0.2])], "residual_tensor_rel_l1, F1B0"))
+        for th in grid([0.02, 0.05, 0.1, 0.2], [0.1, 0.2, 0.4, 0.8])],
+        "residual_tensor_rel_l1, F1B0"))
     deep = [scaled(s, wl.steps) for s in pick([(15, 40, 3), (11, 45, 4), (5, 48, 5)])]
     out.append(Method("ours DeepCache", "ours", [
         (f"start {a}, end {b}, every {n}", ours(CMConfig(
@@ -531,11 +628,12 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         "schedule, B1"))
     out.append(Method("ours FBCache +forecast2", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fb(th), forecast=2)))
-        for th in pick([0.03, 0.05, 0.1, 0.2])],
+        for th in grid([0.03, 0.05, 0.1, 0.2], [0.1, 0.2, 0.4, 0.8])],
         "F1B0, quadratic forecast of the reused residual"))
     out.append(Method("ours FBCache F1B2 +forecast1", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fb(th), bn_blocks=2, forecast=1)))
-        for th in pick([0.05, 0.1, 0.2])], "two tail blocks always run, linear forecast"))
+        for th in grid([0.05, 0.1, 0.2], [0.2, 0.4, 0.8])],
+        "two tail blocks always run, linear forecast"))
     # issue 17: reuse while the forecast's own error stays small. The probe compares block 0's
     # residual with its forecast (--forecast_gate), and the errors are summed over the reuse
     # run (--fb_accumulate), so the threshold bounds a run's forecast error, not the raw drift.
@@ -543,24 +641,26 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
                                      accumulate=True)
     out.append(Method("ours FBCache +forecast2 gated", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=2, forecast_gate=True)))
-        for th in pick([0.005, 0.01, 0.02, 0.03, 0.07, 0.15, 0.3, 0.6])],
+        for th in grid([0.005, 0.01, 0.02, 0.03, 0.07, 0.15, 0.3, 0.6],
+                       [0.07, 0.15, 0.3, 0.6, 1.2, 2.4])],
         "F1B0, quadratic forecast; reuse while the summed forecast error of block 0 stays under "
         "the threshold"))
     out.append(Method("ours FBCache +forecast1 gated", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=1, forecast_gate=True)))
-        for th in pick([0.2, 0.4, 0.8])], "the same with a linear forecast (cheap end)"))
+        for th in grid([0.2, 0.4, 0.8], [0.4, 0.8, 1.6])],
+        "the same with a linear forecast (cheap end)"))
     # the cheap end: each step's forecast error weighted by the step's size in sigma (an error
     # on a large late step moves the final latent more), no forced last compute
     out.append(Method("ours FBCache +forecast1 gated step-weighted", "ours", [
         (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=1, forecast_gate=True,
                                           step_weight=1.0, last_steps=0)))
-        for th in pick([0.01, 0.02, 0.05, 0.1, 0.3, 0.7, 1.2, 2.1])],
+        for th in grid([0.01, 0.02, 0.05, 0.1, 0.3, 0.7, 1.2, 2.1], [0.3, 0.7, 1.2, 2.1, 4.0])],
         "linear forecast, summed forecast error weighted by |dsigma| over its mean "
         "(--step_weight 1), --cache_last_steps 0"))
     out.append(Method("ours TeaCache +forecast2", "ours", [
         (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th), forecast=2,
                                           limits=LimitsConfig(max_continuous=3))))
-        for th in pick([0.002, 0.005, 0.01])], "at most 3 reuses in a row"))
+        for th in grid([0.002, 0.005, 0.01], [0.005, 0.01, 0.02])], "at most 3 reuses in a row"))
 
     def budgeted(rel_err):
         def go(w):
@@ -593,8 +693,9 @@ def _write_json(path, data):
 
 # --- running a family -------------------------------------------------------------------------
 
+FOLLOW = tuple(f"follow_{k}" for k in ("foreground", "background", "direction", "shape"))
 COLUMNS = ("family", "method", "impl", "setting", "computed_fraction", "cpu_s", "wall_s",
-           "speedup", "psnr_db", "rel_l2", "rel_to_displacement", "status")
+           "speedup", "psnr_db", "rel_l2", "rel_to_displacement", *FOLLOW, "status")
 
 
 def row(family, method, impl, setting, run=None, base=None, noise=None, status="ok") -> dict:
@@ -602,6 +703,8 @@ def row(family, method, impl, setting, run=None, base=None, noise=None, status="
     r.update(family=family, method=method, impl=impl, setting=setting, status=status)
     if run is not None:
         r.update(computed_fraction=run.fraction, cpu_s=run.cpu, wall_s=run.wall)
+        if run.follow is not None:
+            r.update({k: run.follow[k[len("follow_"):]] for k in FOLLOW})
         if base is not None:
             f = fidelity(run.latents, base.latents, noise)
             r.update(speedup=base.cpu / run.cpu, psnr_db=f["psnr_db"], rel_l2=f["rel_l2"],
@@ -617,6 +720,8 @@ def show(r: dict) -> str:
             f"{num(r['speedup'], '.2f'):>5s}x "
             f"{num(r['psnr_db'], '.1f'):>6s} {num(r['rel_l2'], '.2e'):>9s} "
             f"{num(r['rel_to_displacement'], '.2e'):>9s}")
+    if r.get("follow_foreground") is not None:
+        text += "  prompt " + " ".join(f"{k[7:9]} {r[k]:.0%}" for k in FOLLOW)
     return text if r["status"] == "ok" else f"{text}  {r['status']}"
 
 
@@ -633,27 +738,35 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
               f"{'speed':>6s} "
               f"{'PSNR':>6s} {'rel L2':>9s} {'rel/disp':>9s}")
     print(header)
+    # Trained regime: every setting runs on the same held-out prompts and is pooled over them.
+    seeds = FOLLOW_SEEDS[:args.follow] if family.trained else ()
+    pooled = (lambda go: lambda w: over_prompts(w, go, seeds)) if seeds else (lambda go: go)
+    noise = torch.cat([noise_for(wl.shape, s) for s in seeds]) if seeds else wl.noise
     # Baselines: the faster of two runs each (timing only; the latents are identical).
-    ours_twice = [run_ours(wl, CMConfig(), cache["counter"]) for _ in range(2)]
-    theirs_twice = [run_diffusers(wl) for _ in range(2)]
+    ours_twice = [pooled(lambda w: run_ours(w, CMConfig(), cache["counter"]))(wl)
+                  for _ in range(2)]
+    theirs_twice = [pooled(run_diffusers)(wl) for _ in range(2)]
     ours_base = min(ours_twice, key=lambda r: r.cpu)
     their_base = min(theirs_twice, key=lambda r: r.cpu)
     # how much one timing moves between identical runs: the noise floor of every speedup
     spread = max(abs(a.cpu - b.cpu) / min(a.cpu, b.cpu) for a, b in (ours_twice, theirs_twice))
-    agreement = fidelity(their_base.latents, ours_base.latents, wl.noise)
-    rows = [row(family.key, "uncached", "ours", "-", ours_base, ours_base, wl.noise),
+    agreement = fidelity(their_base.latents, ours_base.latents, noise)
+    rows = [row(family.key, "uncached", "ours", "-", ours_base, ours_base, noise),
             # diffusers' uncached latents against ours: the harness agreement
             row(family.key, "uncached", "diffusers", "- (PSNR etc. against ours)", their_base,
-                ours_base, wl.noise)]
+                ours_base, noise)]
     rows[1]["speedup"] = 1.0  # peers' speedups are over this run
     for r in rows:
         print(show(r), flush=True)
     traces = {}
+    if seeds:
+        traces["prompts"] = [held_out_clip(s).prompt for s in seeds]
+        traces["uncached | hits"] = ours_base.follow["hits"]
     menu = methods(wl, args.quick, cache)
     for m in menu:
         for label, go in m.settings:
             try:
-                run = go(wl)
+                run = pooled(go)(wl)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 rows.append(row(family.key, m.name, m.impl, "all", status=f"not run: {reason}"))
@@ -661,9 +774,11 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
                 break  # the same failure for every setting of this method
             base = ours_base if m.impl == "ours" else their_base
             label = f"{label}: {run.note}" if run.note else label
-            rows.append(row(family.key, m.name, m.impl, label, run, base, wl.noise))
+            rows.append(row(family.key, m.name, m.impl, label, run, base, noise))
             print(show(rows[-1]), flush=True)
             traces[f"{m.name} | {label}"] = {"per_call_blocks": run.per_call, "trace": run.trace}
+            if run.follow is not None:
+                traces[f"{m.name} | {label}"]["hits"] = run.follow["hits"]
     if "mag" in cache:
         traces["diffusers MagCache calibration ratios"] = cache["mag"][1]
     unseen = budgets_on_unseen_draws(wl, cache) if "budget" in cache else []
@@ -946,6 +1061,91 @@ NOTES = """\
 """
 
 
+def follow_mean(r) -> float:
+    return sum(r[k] for k in FOLLOW) / len(FOLLOW)
+
+
+def follow_standing(rows, family, n) -> tuple[list[str], str]:
+    """Trained regime: prompt following of every setting against its computed fraction, and
+    where caching starts to break the prompt, ours (every curve) against the peers (every
+    peer). A setting keeps the prompt when no attribute loses more than one of the n prompts
+    against its own implementation's uncached run."""
+    done = [r for r in rows if r["family"] == family and r["status"] == "ok"
+            and r.get("follow_foreground") is not None]
+    if not done:
+        return ["Prompt following was not measured."], "prompt following not measured"
+    base = {r["impl"]: r for r in done if r["method"] == "uncached"}
+    slack = 1.0 / n + 1e-9
+
+    def keeps(r):
+        ref = base["ours" if r["impl"] == "ours" else "diffusers"]
+        return all(r[k] >= ref[k] - slack for k in FOLLOW)
+
+    lines = [f"Each setting on the same {n} held-out prompts (attribute combinations never "
+             "trained on; one noise draw each), decoded and read by bench/fixtures/analyser.py. "
+             "mean: of the four attributes. keeps: no attribute loses more than one prompt "
+             "against the same implementation's uncached run.", "",
+             "| method | setting | computed | fg color | bg color | direction | shape | mean | "
+             "keeps the prompt |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(done, key=lambda r: (r["impl"] != "ours", r["method"] != "uncached",
+                                         r["computed_fraction"])):
+        name = f"{r['impl']} uncached" if r["method"] == "uncached" else r["method"]
+        lines.append(f"| {name} | {r['setting']} | {r['computed_fraction']:.3f} | "
+                     + " | ".join(f"{r[k]:.0%}" for k in FOLLOW)
+                     + f" | {follow_mean(r):.0%} | {'yes' if keeps(r) else 'NO'} |")
+    cached = [r for r in done if r["method"] != "uncached"]
+    parts = []
+    for who, mine in (("ours", True), ("the peers", False)):
+        side = [r for r in cached if (r["impl"] == "ours") == mine]
+        kept = [r for r in side if keeps(r)]
+        broke = [r for r in side if not keeps(r)]
+        least = min(kept, key=lambda r: r["computed_fraction"], default=None)
+        most_broken = max(broke, key=lambda r: r["computed_fraction"], default=None)
+        text = (f"{who}: least computed fraction keeping the prompt "
+                + (f"{least['computed_fraction']:.3f} ({least['method']}, {least['setting']}, "
+                   f"mean {follow_mean(least):.0%})" if least else "none"))
+        text += ("; the most computed setting that breaks it "
+                 + (f"{most_broken['computed_fraction']:.3f} ({most_broken['method']}, "
+                    f"{most_broken['setting']}, mean {follow_mean(most_broken):.0%})"
+                    if most_broken else "none"))
+        parts.append(text)
+    summary = "; ".join(parts)
+    lines += ["", f"Where caching starts to break the prompt: {summary}."]
+    return lines, summary
+
+
+def plot_follow(rows, fams, path) -> bool:
+    """Prompt following (mean of the four attributes) against computed fraction, per family."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(fams), figsize=(7.5 * len(fams), 5), squeeze=False)
+    for ax, fam in zip(axes[0], fams, strict=True):
+        done = [r for r in rows if r["family"] == fam.key and r["status"] == "ok"
+                and r.get("follow_foreground") is not None]
+        for impl, style in (("ours", dict(marker="o", color="tab:blue")),
+                            ("peers", dict(marker="s", color="tab:orange", fillstyle="none"))):
+            pts = [(r["computed_fraction"], follow_mean(r)) for r in done
+                   if r["method"] != "uncached" and (r["impl"] == "ours") == (impl == "ours")]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="none", label=impl,
+                    **style)
+        for r in done:
+            if r["method"] == "uncached" and r["impl"] == "ours":
+                ax.axhline(follow_mean(r), color="gray", linestyle="--", label="uncached")
+        ax.set_title(fam.title, fontsize=10)
+        ax.set_xlabel("fraction of block evaluations computed")
+        ax.set_ylabel("prompt following, mean of 4 attributes")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
 FRONT_DB = 1.0  # issue 17: budgeted mode's points lie within this of our front
 
 
@@ -1015,10 +1215,19 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
              "Issue 9's goal: at equal fidelity 1.25 times the speedup of the best peer, or "
              "+3 dB PSNR at equal speedup. This run:", ""]
     lines += [f"- {names[k]}: {summary}; {budgets[k][1]}." for k, (_, summary) in standings.items()]
+    if args.weights == "trained" and args.follow:
+        lines += [f"- {f.title}, prompt following: {follow_standing(rows, f.key, args.follow)[1]}."
+                  for f in fams]
     lines += ["", "## Setup", "",
               f"- Machine: {machine()}.", f"- Peers as installed: {versions()}.",
-              f"- Models: random weights, {INIT}; the same weights in ours and, through "
-              "modules/convert.py, in diffusers' transformer.",
+              (f"- Models: random weights, {INIT}; the same weights in ours and, through "
+               "modules/convert.py, in diffusers' transformer." if not args.weights == "trained"
+               else "- Models: TRAINED weights, the tiny models trained here on procedural clips "
+               "(issue 28, bench/fixtures; each one's MODEL_CARD.md beside its weights), loaded "
+               "by modules/checkpoint.py as a real checkpoint; the same weights in diffusers' "
+               f"transformer through modules/convert.py. Every setting runs on {args.follow} "
+               "held-out prompts with one noise draw each, pooled: PSNR and rel L2 over all "
+               "of them, CPU seconds summed."),
               "- Every run: the same noise and text embeddings (seed 0), our scheduler, the same "
               "step count and CFG, cond then uncond per step; the peers drive diffusers' model "
               "in a small loop (`denoise_diffusers`), ours run on the torch backend (eager).",
@@ -1052,6 +1261,10 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
     for fam in fams:
         lines += ["", f"## Where we stand: {fam.title}", ""] + standings[fam.key][0]
         lines += ["", "### Budgeted mode", ""] + budgets[fam.key][0]
+        if fam.trained and args.follow:
+            lines += ["", "### Prompt following against computed fraction", ""]
+            lines += follow_standing(rows, fam.key, args.follow)[0]
+            lines += ["", "![prompt following against computed fraction](follow.png)"]
     lines += ["", "## Reading it", "", NOTES]
     for fam in fams:
         lines += [f"## Table: {fam.title}", ""] + table(rows, fam.key) + [""]
@@ -1079,6 +1292,14 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=30, help="Wan blocks (TI2V-5B has 30)")
     ap.add_argument("--hy_blocks", type=int, default=30,
                     help="HunyuanVideo-1.5 blocks (the real model has 54; 30 keeps the run short)")
+    ap.add_argument("--weights", choices=("random", "trained"), default="random",
+                    help="random: tiny-but-deep random-weight DiTs made smooth in t; trained: the "
+                         "tiny models trained here (issue 28), prompt following measured too; "
+                         "writes to bench/results/pareto/trained unless --out is given")
+    ap.add_argument("--follow", type=int, default=len(FOLLOW_SEEDS),
+                    help=f"trained weights: the held-out prompts every setting runs on, pooled "
+                         f"(PSNR over all of them, prompt following per attribute); at most "
+                         f"{len(FOLLOW_SEEDS)}; 0: the one draw of seed {SEED}, as on random weights")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: steadier timings on a shared machine)")
     args = ap.parse_args(argv)
@@ -1086,15 +1307,21 @@ def main(argv=None) -> int:
                                                else " " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.quick and args.steps is None:
         args.steps = 20
+    if not 0 <= args.follow <= len(FOLLOW_SEEDS):
+        ap.error(f"--follow: {args.follow}; expected 0 to {len(FOLLOW_SEEDS)}")
     if args.out is None:
         args.out = (os.path.join(os.path.dirname(OUT), "tmp", "pareto_quick") if args.quick
                     else OUT)
-    all_families = families(args.blocks, args.hy_blocks)
+        if args.weights == "trained":
+            args.out = os.path.join(args.out, "trained")
+    all_families = (trained_families() if args.weights == "trained"
+                    else families(args.blocks, args.hy_blocks))
     wanted = [k.strip() for k in args.families.split(",") if k.strip()]
     unknown = [k for k in wanted if k not in all_families]
     if unknown or not wanted:
         ap.error(f"--families: unknown {unknown}; expected a comma-separated subset of "
-                 f"{', '.join(all_families)}")
+                 f"{', '.join(all_families)}"
+                 + (" (the trained pipelines that exist)" if args.weights == "trained" else ""))
     fams = [all_families[k] for k in wanted]
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -1113,6 +1340,8 @@ def main(argv=None) -> int:
         for fam in fams:
             f.write(f"## {fam.title}\n\n" + "\n".join(table(rows, fam.key)) + "\n\n")
     have_plot = plot(rows, fams, os.path.join(args.out, "pareto.png"))
+    if args.weights == "trained" and args.follow:
+        plot_follow(rows, fams, os.path.join(args.out, "follow.png"))
     elapsed = time.perf_counter() - began
     write_readme(os.path.join(args.out, "README.md"), rows, fams, facts, args, elapsed,
                  (load, os.getloadavg()[0]), have_plot)
@@ -1120,6 +1349,8 @@ def main(argv=None) -> int:
         print(f"\n{fam.title}: where we stand")
         print("\n".join(standing(rows, fam.key)[0]))
         print("\n".join(budget_standing(rows, fam.key, facts[fam.key]["budget_unseen"])[0]))
+        if fam.trained and args.follow:
+            print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"
           f"{', pareto.png' if have_plot else ''}, traces_*.json) in {elapsed / 60:.1f} min")
     return 0
