@@ -370,7 +370,8 @@ def _run_jax(args, r, built=None, also=None):
         decoder.prepare(shape)
     compiled = time.perf_counter()
     before = decoder.compile_counts()
-    frames = decode_frames(lambda z: torch.from_numpy(decoder.decode(z)), vae, r)
+    # the host copy of a JAX array is read-only; torch wants to own a writable one
+    frames = decode_frames(lambda z: torch.from_numpy(np.array(decoder.decode(z))), vae, r)
     seconds = time.perf_counter() - compiled
     loop = decoder.compile_counts() - before
     d = jax.local_devices()[0]

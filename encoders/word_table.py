@@ -1,4 +1,5 @@
-"""The text encoder of the tiny model trained here (`wan-tiny-trained`, issue 28): a frozen table.
+"""The text encoder of the tiny models trained here (`wan-tiny-trained`, `hunyuanvideo-tiny-trained`,
+issue 28): a frozen table.
 
 A prompt's i-th word becomes that word's vector concatenated with position i's vector; rows past
 the prompt are zero, and so is the whole empty prompt (CFG's negative: the trainer's prompt
@@ -159,6 +160,13 @@ def check(pipeline, request: Request, weights) -> None:
             raise EncoderInputError(name, f"{prompt!r} has {problem[0]}", problem[1])
     h, w, _ = _size(pipeline, request)
     if request.image is not None:
+        if pipeline.task != "ti2v":
+            raise EncoderInputError("--image", f"{request.image} given",
+                                    f"no image: {pipeline.name} is text-to-video")
+        if pipeline.latent not in (None, "pixels"):  # the image is taken as the latent itself
+            raise EncoderInputError("--image", f"{request.image} given",
+                                    f"no image: {pipeline.name}'s latent is {pipeline.latent}, "
+                                    "not the pixels an image gives")
         _image(request.image, h, w)
 
 
@@ -166,8 +174,20 @@ def encode(pipeline, request: Request, weights, device="cpu") -> tuple[dict, dic
     check(pipeline, request, weights)
     table = _table(pipeline, weights)
     negative = request.negative_prompt or ""  # trained with the empty prompt as CFG's negative
-    tensors = {"prompt_embeds": torch.from_numpy(table.encode(request.prompt))[None],
-               "negative_prompt_embeds": torch.from_numpy(table.encode(negative))[None]}
+    tensors = {}
+    for p, prompt in (("", request.prompt), ("negative_", negative)):
+        embeds = torch.from_numpy(table.encode(prompt))[None]
+        tensors[f"{p}prompt_embeds"] = embeds
+        if pipeline.family == "hunyuan_video15":
+            # As the fixture trainer called it (bench/fixtures/families.py): the mask of the
+            # prompt's words with the first token always valid (the empty prompt pools to zero,
+            # not 0/0), and no byT5 text (one all-masked token).
+            mask = embeds.abs().sum(-1) > 0
+            mask[:, 0] = True
+            cfg = pipeline.config
+            tensors[f"{p}prompt_embeds_mask"] = mask.to(torch.int64)
+            tensors[f"{p}prompt_embeds_2"] = torch.zeros((1, cfg.byt5_len, cfg.byt5_dim))
+            tensors[f"{p}prompt_embeds_mask_2"] = torch.zeros((1, cfg.byt5_len), dtype=torch.int64)
     if request.image is not None:
         h, w, _ = pipeline.size
         tensors["image_latents"] = _image(request.image, h, w)

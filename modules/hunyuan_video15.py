@@ -86,6 +86,14 @@ CONFIGS: dict[str, HunyuanVideo15Config] = {
     "hunyuanvideo-1.5-480p_i2v_step_distilled": HunyuanVideo15Config(use_meanflow=True),
     "hunyuanvideo-tiny": HunyuanVideo15Config(**_TINY),
     "hunyuanvideo-tiny-meanflow": HunyuanVideo15Config(**_TINY, use_meanflow=True),
+    # The tiny model trained here on procedural clips (assets/tiny-hunyuanvideo15,
+    # bench/fixtures): pixel space (3 channels), one 4x4 token per patch, the word table's
+    # 64-wide text, no byT5 text (one all-masked token) and no image tokens beyond one.
+    "hunyuanvideo-tiny-trained": HunyuanVideo15Config(
+        hidden_size=96, num_heads=4, num_layers=4, in_channels=3, out_channels=3,
+        patch_size=(1, 4, 4), rope_axes=(8, 8, 8), mlp_ratio=2.0, refiner_layers=1,
+        refiner_mlp_ratio=2.0, text_dim=64, text_len=16, byt5_dim=8, byt5_hidden=16, byt5_len=1,
+        vision_dim=16, vision_len=1),
 }
 
 # The time embedders and modulations run in fp32 when the rest is bf16.

@@ -6,7 +6,8 @@ random-weight one of the same architecture, and loading a checkpoint (diffusers 
     Wan2.2 VAE  (wan2.2-ti2v-5b)   AutoencoderKLWan, z 48, 4x temporal, 16x spatial = 8x convs and
                                    a 2x2 patchify (is_residual, patch_size 2, 12 in/out channels)
     HunyuanVideo-1.5 VAE           AutoencoderKLHunyuanVideo15, z 32, 4x temporal, 16x spatial
-    pixels (wan-tiny-trained)      `PixelLatents`: the latent is the clip itself in [-1, 1]
+    pixels (the tiny models        `PixelLatents`: the latent is the clip itself in [-1, 1], or its
+    trained here)                  causal form, or plus a position anchor (Pipeline.latent)
 
 diffusers is imported only when a VAE is built, so a bad path fails before that 5 s import.
 """
@@ -164,10 +165,10 @@ PIXEL_SPECS = {spec.name: spec for spec in (PIXELS, PIXEL_DELTAS, PIXEL_ANCHORED
 
 def spec_for(pipe) -> VaeSpec:
     """The VAE a sampling.pipelines.Pipeline decodes with (by family and spatial stride)."""
-    if pipe.family == "hunyuan_video15":
-        spec = VAES["hunyuanvideo-1.5-vae"]
-    elif pipe.family == "wan" and tuple(pipe.vae_stride) == PIXELS.stride:
+    if tuple(pipe.vae_stride) == PIXELS.stride:  # the tiny models trained in pixel space
         spec = PIXEL_SPECS[pipe.latent or PIXELS.name]
+    elif pipe.family == "hunyuan_video15":
+        spec = VAES["hunyuanvideo-1.5-vae"]
     elif pipe.family == "wan":
         spec = VAES["wan2.1-vae" if pipe.vae_stride[1] == 8 else "wan2.2-vae"]
     else:

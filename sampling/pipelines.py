@@ -73,7 +73,7 @@ class Pipeline:
     fps: float = 24.0  # of the decoded video (the official sample_fps)
     enlarge: int = 1  # stage 3 writes the video this many times larger (nearest neighbour)
     encoders: str | None = None  # stage 1's module in encoders/ (None: the family's)
-    latent: str | None = None  # pixel-space models: "pixels" or "pixel-deltas" (modules.vae)
+    latent: str | None = None  # pixel-space models: "pixels", "pixel-deltas", "pixel-anchored"
 
     @property
     def builtin_path(self) -> str | None:
@@ -342,6 +342,12 @@ PIPELINES: dict[str, Pipeline] = {
                                  "unipc", 5.0, 5.0, 50, (16, 16, 4), (1, 1),
                                  builtin="assets/tiny-wan-ti2v", fps=4.0, enlarge=8,
                                  encoders="word_table"),
+    # Its HunyuanVideo-1.5 twin (Euler 50, shift 5, CFG 6, as the fixture trainer evaluates it),
+    # trained with the position anchor in its latent (modules.vae.position_anchor).
+    "hunyuanvideo-tiny-trained": Pipeline(
+        "hunyuanvideo-tiny-trained", "hunyuan_video15", ((None, "hunyuanvideo-tiny-trained"),),
+        "t2v", "euler", 5.0, 6.0, 50, (16, 16, 4), (1, 1), builtin="assets/tiny-hunyuanvideo15",
+        fps=4.0, enlarge=8, encoders="word_table", latent="pixel-anchored"),
     # wan/configs/wan_s2v_14B.py: shift 3, 40 steps, guidance 4.5; generate.py: unipc, 80 frames
     # a clip; 704 x 1280 is the largest 64-multiple size within the default 1280*720 area
     "wan2.2-s2v-14b": Pipeline("wan2.2-s2v-14b", "wan", ((None, "wan2.2-s2v-14b"),), "s2v",
