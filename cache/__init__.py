@@ -4,7 +4,8 @@ Pure Python (numpy at most): no torch, no jax, no model names, so every backend 
 takes the very same decisions. The menu:
 
     CMConfig, CacheManager                      the configuration and the gate (seed 001 API)
-    TeaCacheConfig, FBCacheConfig, DeepCacheConfig, LimitsConfig   one technique per file
+    TeaCacheConfig, FBCacheConfig, MagCacheConfig, DeepCacheConfig, LimitsConfig
+                                                one technique per file
     Signals, Decision, Applied, FailSafe, Reason, PAIR             what goes in and comes out
     TensorOps, NumpyOps                          how the gate handles residuals it cannot see into
     ConfigError                                  raised for invalid configuration, before sampling
@@ -16,6 +17,7 @@ from .deepcache import DeepCacheConfig
 from .fbcache import METRICS as FB_METRICS
 from .fbcache import FBCacheConfig
 from .limits import LimitsConfig
+from .magcache import MagCacheConfig
 from .manager import CacheManager
 from .residuals import NumpyOps, TensorOps
 from .teacache import TeaCacheConfig
@@ -25,6 +27,6 @@ from .validate import ConfigError
 __all__ = [
     "CFG_MODES", "OFFLOAD", "PAIR_REDUCE", "CMConfig", "COMPUTE", "PAIR", "SKIP", "Applied",
     "Decision", "FailSafe", "Reason", "Signals", "DeepCacheConfig", "FB_METRICS", "FBCacheConfig",
-    "LimitsConfig", "CacheManager", "NumpyOps", "TensorOps", "TeaCacheConfig", "TEACACHE_PROFILES",
+    "LimitsConfig", "MagCacheConfig", "CacheManager", "NumpyOps", "TensorOps", "TeaCacheConfig", "TEACACHE_PROFILES",
     "ConfigError",
 ]

@@ -10,11 +10,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from . import deepcache, fbcache, noise_adapt, teacache
+from . import deepcache, fbcache, magcache, noise_adapt, teacache
 from .decision import PAIR
 from .deepcache import DeepCacheConfig
 from .fbcache import FBCacheConfig
 from .limits import LimitsConfig
+from .magcache import MagCacheConfig
 from .teacache import TeaCacheConfig
 from .validate import ConfigError, check_choice, check_float, check_int
 
@@ -22,6 +23,7 @@ from .validate import ConfigError, check_choice, check_float, check_int
 TECHNIQUES = {
     fbcache.MODE: (fbcache, "fbcache", FBCacheConfig),
     teacache.MODE: (teacache, "teacache", TeaCacheConfig),
+    magcache.MODE: (magcache, "magcache", MagCacheConfig),
     deepcache.MODE: (deepcache, "deepcache", DeepCacheConfig),
 }
 
@@ -43,7 +45,8 @@ class CMConfig:
     teacache: TeaCacheConfig | None = None
     fbcache: FBCacheConfig | None = None
     deepcache: DeepCacheConfig | None = None
-    evaluation_order: tuple[str, ...] = ("fb", "tc", "dc")  # first skip-eligible mode wins
+    magcache: MagCacheConfig | None = None
+    evaluation_order: tuple[str, ...] = ("fb", "tc", "mc", "dc")  # first skip-eligible mode wins
     warmup: int = 1  # executed steps that always compute, at the start of the run and of each expert
     last_steps: int = 1  # executed steps that always compute at the end of the run
     cfg_mode: str = "cond_authoritative"

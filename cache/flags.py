@@ -14,12 +14,14 @@ from .config import CFG_MODES, OFFLOAD, PAIR_REDUCE, TECHNIQUES, CMConfig
 from .deepcache import DeepCacheConfig
 from .fbcache import METRICS, FBCacheConfig
 from .limits import LimitsConfig
+from .magcache import MagCacheConfig
+from .magcache import make as make_magcache
 from .preset import PRESETS, TECHNIQUE_KEYS, load_preset
 from .teacache import LINEAR_THRESHOLD, TeaCacheConfig
 from .teacache_profiles import PROFILES, SIGNALS
 from .validate import ConfigError
 
-CACHE_TYPES = ("deepcache", "teacache", "fbcache")
+CACHE_TYPES = ("deepcache", "teacache", "fbcache", "magcache")
 
 
 def _default(cls, name):
@@ -72,6 +74,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--teacache", action="store_true", help="enable TeaCache")
     g.add_argument("--fbcache", action="store_true", help="enable FBCache")
     g.add_argument("--deepcache", action="store_true", help="enable the DeepCache schedule")
+    g.add_argument("--magcache", action="store_true",
+                   help="enable MagCache (needs --magcache_profile)")
 
     g = parser.add_argument_group("caching: DeepCache schedule")
     g.add_argument("--cache_start_step", type=int, help=d(DeepCacheConfig, "start"))
@@ -103,6 +107,16 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="true: sum the residual_tensor_rel_l1 metric over a reuse run (with "
                         "--forecast_gate, the forecast errors of the run's steps) "
                         + d(FBCacheConfig, "accumulate"))
+
+    g = parser.add_argument_group("caching: MagCache")
+    g.add_argument("--magcache_profile", help="a profile of python calibrate.py --out, whose "
+                   "magcache block holds the model's magnitude ratios")
+    g.add_argument("--mag_thresh", type=float, help=d(MagCacheConfig, "threshold")
+                   + "; the drift the ratios predict that a reuse run may accumulate")
+    g.add_argument("--mag_max_skip", type=int, help=d(MagCacheConfig, "max_skip")
+                   + "; steps reused in a row at most (K)")
+    g.add_argument("--mag_retention", type=float, help=d(MagCacheConfig, "retention")
+                   + "; the fraction of the steps, from the start, that always compute")
 
     g = parser.add_argument_group("caching: lifecycle, CFG pairs, limits, structure, offload")
     g.add_argument("--cache_warmup", "--teacache_warmup", "--fb_warmup", dest="cache_warmup",
@@ -178,6 +192,10 @@ FIELD_FLAGS = {
     "FBCacheConfig.ema": ("--fb_ema", "fb_ema"),
     "FBCacheConfig.saliency": ("--fb_saliency", "fb_saliency"),
     "FBCacheConfig.accumulate": ("--fb_accumulate", "fb_accumulate"),
+    "MagCacheConfig.profile": ("--magcache_profile", "magcache_profile"),
+    "MagCacheConfig.threshold": ("--mag_thresh", "mag_thresh"),
+    "MagCacheConfig.max_skip": ("--mag_max_skip", "mag_max_skip"),
+    "MagCacheConfig.retention": ("--mag_retention", "mag_retention"),
     "CMConfig.warmup": ("--cache_warmup", "cache_warmup"),
     "CMConfig.last_steps": ("--cache_last_steps", "cache_last_steps"),
     "CMConfig.evaluation_order": ("--evaluation_order", "evaluation_order"),
@@ -194,7 +212,7 @@ FIELD_FLAGS = {
     "CMConfig.scene_guard": ("--scene_guard", "scene_guard"),
 }
 TECHNIQUE_CLASSES = {"deepcache": "DeepCacheConfig", "teacache": "TeaCacheConfig",
-                     "fbcache": "FBCacheConfig"}
+                     "fbcache": "FBCacheConfig", "magcache": "MagCacheConfig"}
 
 
 def _flag_value(args, dest):
@@ -249,7 +267,7 @@ def config_from_fields(fields: dict) -> CMConfig:
 
 
 SECTIONS = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig,
-            "limits": LimitsConfig}
+            "magcache": MagCacheConfig, "limits": LimitsConfig}
 
 
 def _check_shape(fields) -> None:
@@ -283,12 +301,14 @@ def _config_from_args(args: argparse.Namespace, fields: dict | None = None) -> C
         "deepcache": args.deepcache or cache_type == "deepcache" or "deepcache" in preset,
         "teacache": args.teacache or cache_type == "teacache" or "teacache" in preset,
         "fbcache": args.fbcache or cache_type == "fbcache" or "fbcache" in preset,
+        "magcache": args.magcache or cache_type == "magcache" or "magcache" in preset,
     }
     specific = {  # technique -> {config field: (flag, value)}
         name: {field.split(".")[1]: (flag, getattr(args, dest))
                for field, (flag, dest) in FIELD_FLAGS.items() if field.startswith(cls + ".")}
         for name, cls in TECHNIQUE_CLASSES.items()}
-    classes = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig}
+    classes = {"deepcache": DeepCacheConfig, "teacache": TeaCacheConfig, "fbcache": FBCacheConfig,
+               "magcache": make_magcache}  # MagCache reads its ratios from the profile file
     techniques = {}
     for name, fields in specific.items():
         given = {k: v for k, (_, v) in fields.items() if v is not None}

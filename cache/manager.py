@@ -8,7 +8,7 @@ Per model call:
     if not decision.skip: run blocks [resume, N - Bn); gate.update(decision, h_before, h_after)
     <tail program>      # with bn_ids: reused tail runs add `tail` (skip) or hand theirs to update
 
-Each technique module (teacache, fbcache, deepcache) has the same parts: a config, a frozen state,
+Each technique module (teacache, fbcache, magcache, deepcache) has the same parts: a config, a frozen state,
 `measure(config, state, signal) -> (rel, state, invalid)`, `judge(config, state, rel, call) ->
 (vote or None if invalid, state)` and `refresh(state)`. The manager composes them and never
 special-cases a technique or a model. Nothing it does raises during sampling: every fault falls
@@ -41,6 +41,7 @@ class Call:
     expert: str | None
     threshold_scale: float = 1.0  # noise-phase adaptivity: multiplies the thresholds
     step_weight: float = 1.0  # CMConfig.step_weight: multiplies FBCache's metric of the call
+    num_steps: int = 0  # of the run (MagCache reads its ratios by the run's length)
 
 
 @dataclass
@@ -135,7 +136,7 @@ class CacheManager:
         weights = self._step_weights
         self._call = Call(branch, self._step, self._step - self._phase_start, expert,
                           noise_adapt.factor(cfg.noise_adapt, self._step, self.num_steps),
-                          weights[self._step] if weights is not None else 1.0)
+                          weights[self._step] if weights is not None else 1.0, self.num_steps)
 
     # ---- decisions -------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""Calibrate TeaCache for a model: fit the polynomial that maps the signature's relative change
-to the model output's relative change, and write it as a profile `--teacache_policy poly:<file>`
-loads (one fit per expert for Wan2.2 I2V-A14B, and one over all calls).
+"""Calibrate TeaCache and MagCache for a model: fit the polynomial that maps the signature's
+relative change to the model output's relative change, and write it as a profile
+`--teacache_policy poly:<file>` loads (one fit per expert for Wan2.2 I2V-A14B, and one over all
+calls); the same runs' magnitude ratios go in its `magcache` block (`--magcache_profile <file>`).
 
     python calibrate.py --model wan-tiny-i2v --samples 3 --out profile.json
 
@@ -26,7 +27,7 @@ import sys
 import numpy as np
 import torch
 
-from cache import CMConfig, TeaCacheConfig
+from cache import CMConfig, TeaCacheConfig, magcache
 from cache.teacache_profiles import SIGNALS, check_profile
 from cache.validate import FieldError
 from modules import ops
@@ -42,24 +43,28 @@ from sampling.stages import SignalPlan
 
 
 class OutputChanges:
-    """Observer of one run: (step, branch) -> relative L1 change of the output since the
-    branch's previous call."""
+    """Observer of one run, per (step, branch): the relative L1 change of the output since the
+    branch's previous call (TeaCache's fit), and MagCache's magnitude ratio, the mean over
+    tokens of |out| / |previous out| with the norm over the channels."""
 
     def __init__(self, backend):
-        self.backend, self.last, self.changes = backend, {}, {}
+        self.backend, self.last, self.changes, self.ratios = backend, {}, {}, {}
 
     def __call__(self, step, branch, expert, out):
         host = self.backend.get(out).double()
         prev = self.last.get(branch)
         if prev is not None:
             self.changes[(step, branch)] = ((host - prev).abs().mean() / prev.abs().mean()).item()
+            norms = host.norm(dim=1), prev.norm(dim=1)  # [B, C, F, H, W]: per token
+            self.ratios[(step, branch)] = (norms[0] / norms[1].clamp_min(1e-30)).mean().item()
         self.last[branch] = host
 
 
 def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solver, shift):
-    """[(expert, rel, output change)] over every call of every sample."""
+    """([(expert, rel, output change)] over every call of every sample, MagCache's ratios:
+    branch -> one per step, step 0's 1, each the mean over the samples)."""
     config = CMConfig(teacache=TeaCacheConfig(threshold=0.0, signal=signal))
-    pairs = []
+    pairs, ratios = [], {}
     for seed, tensors in tensors_by_seed.items():
         sample = make_sample(backend, pipe, tensors, latent_shape, image=pipe.task == "i2v",
                              seed=seed)
@@ -70,7 +75,11 @@ def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solv
             key = (row["step"], row["branch"])
             if row["rel"] is not None and key in observed.changes:
                 pairs.append((row["expert"], row["rel"], observed.changes[key]))
-    return pairs
+        for (step, branch), ratio in observed.ratios.items():
+            ratios.setdefault(branch, [[] for _ in range(steps)])[step].append(ratio)
+    mag = {branch: [sum(v) / len(v) if v else 1.0 for v in per_step]
+           for branch, per_step in ratios.items()}
+    return pairs, mag
 
 
 def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
@@ -221,8 +230,8 @@ def run(args) -> dict:
     shape = pipe.latent_shape(*pipe.size)
     seeds = range(r["first_seed"], r["first_seed"] + r["samples"])
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
-    pairs = collect(backend, pipe, tensors, shape, signal=args.teacache_signal, steps=steps,
-                    solver=pipe.solver, shift=pipe.shift)
+    pairs, ratios = collect(backend, pipe, tensors, shape, signal=args.teacache_signal,
+                            steps=steps, solver=pipe.solver, shift=pipe.shift)
     result = fit(pairs, r["degree"])
     profile = {
         "signal": args.teacache_signal, "threshold": 0.15, "warmup": 1,
@@ -231,6 +240,9 @@ def run(args) -> dict:
         # which weights these figures hold for: stage 2 refuses the profile for others
         "weights_fingerprint": {expert: model_fingerprint(m) for expert, m in models.items()},
         **result,
+        # MagCache's plan (--magcache_profile): the same runs' magnitude ratios
+        magcache.PROFILE_KEY: {**{b: [round(x, 6) for x in v] for b, v in ratios.items()},
+                               "steps": steps, "measured_on": "model output (velocity)"},
     }
     if args.budget:
         def make_backend(plan):

@@ -320,7 +320,7 @@ def _check_flags(args) -> None:
         chosen_by = [flag for flag, on in (
             ("--preset", args.preset), ("--enable_cache", args.enable_cache),
             ("--teacache", args.teacache), ("--fbcache", args.fbcache),
-            ("--deepcache", args.deepcache)) if on]
+            ("--deepcache", args.deepcache), ("--magcache", args.magcache)) if on]
         if chosen_by:
             raise UsageError(f"budgeted mode chooses the technique; drop {', '.join(chosen_by)} "
                              "(or drop the budget)")
@@ -704,6 +704,8 @@ def _profile_files(args, config: CMConfig) -> list[tuple[str, str]]:
     tc = config.teacache
     if tc is not None and tc.policy.startswith("poly:") and tc.policy.endswith(".json"):
         files.append(("--teacache_policy", tc.policy.removeprefix("poly:")))
+    if config.magcache is not None and config.magcache.profile is not None:
+        files.append(("--magcache_profile", config.magcache.profile))
     return files
 
 

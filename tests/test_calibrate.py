@@ -41,6 +41,21 @@ def test_calibrated_profile_is_loaded_and_drives_the_decisions(tmp_path):
     actions = {p: [r["action"] for r in t] for p, t in traces.items()}
     assert actions["linear"] != actions[f"poly:{path}"]
 
+    # The same runs' MagCache ratios: one per step and branch, step 0's 1, and a MagCache gate
+    # built from the profile (as --magcache_profile does) reads each step's own ratio.
+    mag = profile["magcache"]
+    assert mag["steps"] == 16 and {len(mag["cond"]), len(mag["uncond"])} == {16}
+    assert mag["cond"][0] == mag["uncond"][0] == 1.0
+    assert all(0.2 < r < 5 for r in mag["cond"][1:]) and len(set(mag["cond"])) > 8
+    from cache.magcache import make
+    config = CMConfig(magcache=make(profile=str(path), threshold=0.1), cfg_mode="separate")
+    backend = TorchBackend(models, SignalPlan.from_config(config))
+    sample = make_sample(backend, pipe, tensors, shape, image=True, seed=0)
+    trace = sample_once(backend, config, sample, solver="unipc", steps=16, shift=5.0).gate.telemetry.trace
+    judged = [r for r in trace if r["rel"] is not None]
+    assert len(judged) > 20 and any(r["action"] == "skip" for r in trace)
+    assert all(r["rel"] == pytest.approx(mag[r["branch"]][r["step"]], abs=1e-6) for r in judged)
+
 
 def test_fit_recovers_a_known_polynomial():
     x = np.linspace(0.0, 0.2, 30)
