@@ -48,7 +48,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.workload import smooth_in_t  # noqa: E402
-from cache import CMConfig, DeepCacheConfig, FBCacheConfig, LimitsConfig, TeaCacheConfig  # noqa: E402
+from cache import (  # noqa: E402
+    CMConfig,
+    DeepCacheConfig,
+    FBCacheConfig,
+    LimitsConfig,
+    MagCacheConfig,
+    TeaCacheConfig,
+)
 from modules import hunyuan_video15, wan  # noqa: E402
 from modules.convert import (  # noqa: E402
     hunyuan_diffusers_config,
@@ -444,6 +451,19 @@ def mag_ratios(wl: Workload) -> tuple[list[float], dict]:
     return lists[0], {"cond": lists[0], "uncond": lists[1]}
 
 
+def our_mag_ratios(wl: Workload) -> dict:
+    """Our calibrate command's MagCache ratios (commands/calibrate.collect), measured on the
+    same held-out draw as diffusers' calibration: branch -> one ratio per step."""
+    from commands.calibrate import collect
+
+    draw = wl.reseeded(CALIBRATION_SEED)
+    plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig()))
+    _, ratios = collect(TorchBackend({None: wl.model}, plan), wl.pipe, {draw.seed: draw.tensors},
+                        wl.shape, signal=None, steps=wl.steps, solver=wl.pipe.solver,
+                        shift=wl.pipe.shift)
+    return ratios
+
+
 def cachedit_setup(wl: Workload, fn: int, bn: int, rdt: float, taylorseer: bool) -> Callable:
     """cache-dit DBCache on the transformer alone (library defaults but Fn, Bn and the threshold;
     separate CFG as cache-dit's Wan and HunyuanVideo-1.5 adapters set it)."""
@@ -553,7 +573,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     out = []
 
     # diffusers hooks (as installed: diffusers 0.42.1)
-    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig
+    from diffusers.hooks import FirstBlockCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig
+    from diffusers.hooks import MagCacheConfig as TheirMagCacheConfig
 
     def hook(factory):
         return lambda w: run_diffusers(w, diffusers_hook(factory))
@@ -567,7 +588,7 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         def go(w):
             if "mag" not in cache:
                 cache["mag"] = mag_ratios(w)
-            return run_diffusers(w, diffusers_hook(lambda: MagCacheConfig(
+            return run_diffusers(w, diffusers_hook(lambda: TheirMagCacheConfig(
                 threshold=th, max_skip_steps=k, num_inference_steps=w.steps,
                 mag_ratios=cache["mag"][0])))
         return go
@@ -657,6 +678,22 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         for th in grid([0.01, 0.02, 0.05, 0.1, 0.3, 0.7, 1.2, 2.1], [0.3, 0.7, 1.2, 2.1, 4.0])],
         "linear forecast, summed forecast error weighted by |dsigma| over its mean "
         "(--step_weight 1), --cache_last_steps 0"))
+    def ours_mag(th, k):
+        def go(w):
+            if "our_mag" not in cache:
+                cache["our_mag"] = our_mag_ratios(w)
+            ratios = cache["our_mag"]
+            return run_ours(w, CMConfig(magcache=MagCacheConfig(
+                ratios=ratios["cond"], uncond_ratios=ratios.get("uncond", ()), threshold=th,
+                max_skip=k)), cache["counter"])
+        return go
+
+    out.append(Method("ours MagCache", "ours", [
+        (f"threshold {th}, K {k}", ours_mag(th, k))
+        for th, k in grid([(0.001, 3), (0.003, 3), (0.01, 3), (0.06, 5)],
+                          [(0.01, 3), (0.03, 3), (0.06, 3), (0.12, 4), (0.24, 6)])],
+        "our gate's MagCache: ratios from our calibrate command on the held-out draw diffusers "
+        "calibrates on, retention 0.2, per branch"))
     out.append(Method("ours TeaCache +forecast2", "ours", [
         (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th), forecast=2,
                                           limits=LimitsConfig(max_continuous=3))))
@@ -781,6 +818,8 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
                 traces[f"{m.name} | {label}"]["hits"] = run.follow["hits"]
     if "mag" in cache:
         traces["diffusers MagCache calibration ratios"] = cache["mag"][1]
+    if "our_mag" in cache:
+        traces["ours MagCache calibration ratios"] = cache["our_mag"]
     unseen = budgets_on_unseen_draws(wl, cache) if "budget" in cache else []
     for u in unseen:
         print(f"budget {u['budget']:g} on unseen draw {u['seed']}: {u['choice']}, computed "
