@@ -122,6 +122,49 @@ def measure(pipe, cfg, scale, runs, *, steps, backend="jax", repeats=2):
     return out
 
 
+def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12):
+    """The same runs on a model trained here (issue 28, the pipeline's committed checkpoint),
+    each on `prompts` held-out prompts (bench/pareto.py's draws), pooled: PSNR and rel L2 over
+    all of them against the reference's, and prompt following per attribute."""
+    from bench.fixtures import analyser
+    from bench.fixtures import videos as V
+    from bench.pareto import FOLLOW_SEEDS, MAPPING, held_out_clip, prompt_tensors
+    from modules.checkpoint import load_model
+    from sampling.run import noise_for
+
+    model = load_model(pipe.builtin_path)[0].eval()
+    shape = pipe.latent_shape(*pipe.size)
+    seeds = FOLLOW_SEEDS[:prompts]
+    draws = {seed: prompt_tensors(pipe, seed) for seed in seeds}
+    noise = torch.cat([noise_for(shape, seed) for seed in seeds])
+    out, base = {}, None
+    for name, config in {"reference": REFERENCE, **runs}.items():
+        plan = SignalPlan.from_config(config)
+        be = make_backend(backend, model, plan)
+        latents, hits, calls, blocks, wall = [], [], [], [], 0.0
+        for k, seed in enumerate(seeds):
+            sample = make_sample(be, pipe, draws[seed], shape, image=False, seed=seed)
+            traj = sample_once(be, config, sample, solver=pipe.solver, steps=steps,
+                               shift=pipe.shift, step_sync=False, warmup_rounds=1 if k == 0 else 0)
+            z = be.get(traj.latents).float()
+            latents.append(z)
+            hits.append(analyser.score(V.from_latent(z.numpy()[0], MAPPING[pipe.latent]),
+                                       held_out_clip(seed)))
+            calls.append(calls_fraction(traj))
+            blocks.append(blocks_fraction(traj, pipe.config.num_layers, plan))
+            wall += traj.stats.wall_seconds
+        latents = torch.cat(latents)
+        row = {"traj": traj, "calls": sum(calls) / len(calls), "blocks": sum(blocks) / len(blocks),
+               **{a: sum(h[a] for h in hits) / len(hits) for a in analyser.ATTRIBUTES}}
+        if base is None:
+            base = (latents, wall)
+            row.update(wall=1.0, signal=signal_scale(traj.gate.telemetry.trace))
+        else:
+            row.update(wall=base[1] / wall, **fidelity(latents, base[0], noise))
+        out[name] = row
+    return out
+
+
 def in_order(results) -> bool:
     """safe >= balanced >= turbo in PSNR (the names' promise)."""
     psnr = [results[p]["psnr_db"] for p in ORDERED]
@@ -135,6 +178,10 @@ def main():
     ap.add_argument("--scales", default=",".join(SIGNAL_SCALES),
                     help=f"comma-separated among {', '.join(SIGNAL_SCALES)}")
     ap.add_argument("--backend", choices=("jax", "torch"), default="jax")
+    ap.add_argument("--weights", choices=("random", "trained"), default="random",
+                    help="trained: the tiny models trained here (issue 28), each run pooled over "
+                         "--prompts held-out prompts, with prompt following")
+    ap.add_argument("--prompts", type=int, default=12, help="held-out prompts (trained weights)")
     ap.add_argument("--plot", default="bench/results/presets_trace.png",
                     help="PNG path for the per-step trace plot ('' for none)")
     args = ap.parse_args()
@@ -142,6 +189,8 @@ def main():
         torch.set_num_threads(1)  # 2 shared cores: more threads spin-wait under contention
     runs = {**{p: preset_config(p) for p in PRESETS},
             "deepcache 11/45/4": CMConfig(deepcache=DeepCacheConfig())}
+    if args.weights == "trained":
+        return main_trained(args, runs)
     traces, verdicts = {}, []
     print(f"init: smooth in t (bench/workload.py), signal scales {args.scales}, seed 0; CFG on; "
           f"fp32; {args.backend} backend on CPU")
@@ -171,6 +220,37 @@ def main():
     if args.plot and traces:
         from sampling.sinks import plot_traces
         print(f"plot: {plot_traces({f'{t}: {n}': rows for (t, n), rows in traces.items()}, args.plot)}")
+
+
+def main_trained(args, runs):
+    from bench.pareto import TRAINED
+    from bench.fixtures.analyser import ATTRIBUTES
+    print(f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
+          f"CFG on; fp32; {args.backend} backend on CPU")
+    verdicts = []
+    for name in TRAINED.values():
+        if name not in PIPELINES:
+            continue
+        pipe = PIPELINES[name]
+        results = measure_trained(pipe, runs, steps=args.steps, backend=args.backend,
+                                  prompts=args.prompts)
+        ref = results["reference"]
+        print(f"\n{name} ({pipe.builtin}): {pipe.config.num_layers} blocks, {args.steps} steps "
+              f"{pipe.solver}; signal: median TeaCache rel {ref['signal']:.2e} per step")
+        print(f"{'run':20s} {'calls':>6s} {'blocks':>7s} {'wall':>6s} {'PSNR dB':>8s} "
+              f"{'rel L2':>9s}  prompt following ({', '.join(ATTRIBUTES)})")
+        for key in ("reference", *runs):
+            r = results[key]
+            fid = ("       -         -" if key == "reference"
+                   else f"{r['psnr_db']:8.1f} {r['rel_l2']:9.2e}")
+            print(f"{key:20s} {r['calls']:6.3f} {r['blocks']:7.3f} {r['wall']:5.2f}x {fid}  "
+                  + " ".join(f"{r[a]:4.0%}" for a in ATTRIBUTES))
+        verdicts.append((name, ref["signal"], in_order(results),
+                         [results[p]["psnr_db"] for p in ORDERED]))
+    print("\nsafe >= balanced >= turbo in PSNR:")
+    for model, signal, ok, psnr in verdicts:
+        print(f"  {model:38s} signal {signal:.1e}  {'yes' if ok else 'NO '}  "
+              + " >= ".join(f"{v:.1f}" for v in psnr))
 
 
 if __name__ == "__main__":
