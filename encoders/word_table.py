@@ -10,8 +10,9 @@ words in order). Prompts are read forgivingly: case, punctuation and the article
 blue"); any other word outside the vocabulary is refused, naming the vocabulary.
 
 Image mode (the model was trained on it, Wan2.2 TI2V style): the first frame is the image,
-resized to the model's frame size (area average), in [-1, 1], channels first: the latent of a
-pixel-space model is the clip itself (`modules.vae.PixelLatents`).
+resized to the model's frame size (area average), in [-1, 1], channels first, taken to the
+latent by the model's pixel-space mapping (`modules.vae.PixelLatents`: the image itself, or
+plus the first frame's position anchor).
 """
 
 from __future__ import annotations
@@ -163,10 +164,6 @@ def check(pipeline, request: Request, weights) -> None:
         if pipeline.task != "ti2v":
             raise EncoderInputError("--image", f"{request.image} given",
                                     f"no image: {pipeline.name} is text-to-video")
-        if pipeline.latent not in (None, "pixels"):  # the image is taken as the latent itself
-            raise EncoderInputError("--image", f"{request.image} given",
-                                    f"no image: {pipeline.name}'s latent is {pipeline.latent}, "
-                                    "not the pixels an image gives")
         _image(request.image, h, w)
 
 
@@ -190,5 +187,15 @@ def encode(pipeline, request: Request, weights, device="cpu") -> tuple[dict, dic
             tensors[f"{p}prompt_embeds_mask_2"] = torch.zeros((1, cfg.byt5_len), dtype=torch.int64)
     if request.image is not None:
         h, w, _ = pipeline.size
-        tensors["image_latents"] = _image(request.image, h, w)
+        tensors["image_latents"] = first_frame_latent(pipeline, _image(request.image, h, w))
     return tensors, {}
+
+
+def first_frame_latent(pipeline, image: torch.Tensor) -> torch.Tensor:
+    """[1, C, 1, H, W]: frame 0 of the latent of a clip that opens with `image` ([1, 3, 1, H, W]
+    in [-1, 1]), through the pipeline's own pixel-space mapping: the image itself, or with the
+    position anchor of the first frame (modules.vae.PixelLatents)."""
+    from modules.vae import build_tiny, spec_for
+    frames = pipeline.size[2]
+    clip = image.expand(-1, -1, frames, -1, -1)
+    return build_tiny(spec_for(pipeline), clip.shape[1]).encode(clip)[:, :, :1].contiguous()

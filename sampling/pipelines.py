@@ -337,11 +337,13 @@ PIPELINES: dict[str, Pipeline] = {
                              "i2v", "unipc", 5.0, (3.5, 3.5), 40, (64, 96, 9), (4, 8),
                              boundary=900.0, builtin=RANDOM, fps=16.0),
     # Trained here on procedural clips (issue 28): pixel space (the latent is the clip in
-    # [-1, 1], vae_stride (1, 1)), 4 frames of 16x16, sampled as it was evaluated (shift 5, CFG 5).
+    # [-1, 1] plus a fixed position anchor, modules.vae.position_anchor: without it a RoPE-only
+    # DiT cannot tell which way time runs, and never learned the direction's sign; vae_stride
+    # (1, 1)), 4 frames of 16x16, sampled as it was evaluated (shift 5, CFG 5).
     "wan-tiny-trained": Pipeline("wan-tiny-trained", "wan", ((None, "wan-tiny-trained"),), "ti2v",
                                  "unipc", 5.0, 5.0, 50, (16, 16, 4), (1, 1),
                                  builtin="assets/tiny-wan-ti2v", fps=4.0, enlarge=8,
-                                 encoders="word_table"),
+                                 encoders="word_table", latent="pixel-anchored"),
     # Its HunyuanVideo-1.5 twin (Euler 50, shift 5, CFG 6, as the fixture trainer evaluates it),
     # trained with the position anchor in its latent (modules.vae.position_anchor).
     "hunyuanvideo-tiny-trained": Pipeline(

@@ -22,7 +22,7 @@ def _trained(name):
     return path
 
 
-@pytest.mark.parametrize("name", ["tiny-wan-ti2v"])
+@pytest.mark.parametrize("name", ["tiny-wan-ti2v", "tiny-hunyuanvideo15"])
 def test_trained_model_loads_as_an_official_checkpoint(name):
     path = _trained(name)
     model, info = load_model(path)
@@ -35,12 +35,15 @@ def test_trained_model_loads_as_an_official_checkpoint(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-wan-ti2v"])
-def test_trained_model_draws_the_prompted_colors_on_held_out_prompts(name):
+def test_trained_model_draws_the_prompted_colors_and_direction_on_held_out_prompts(name):
     torch.manual_seed(0)
     model, _ = load_model(_trained(name))
     spec = MODELS[name]
     _, test = V.split(SPLIT_SEED)
-    res = evaluate(model, V.TextEncoder.load(_trained(name) / "text_encoder"), test, n=8,
+    info = json.loads((_trained(name) / "training.json").read_text())
+    res = evaluate(model, V.TextEncoder.load(_trained(name) / "text_encoder"), test, n=16,
                    steps=spec["steps"], solver=spec["solver"], shift=spec["shift"],
-                   guidance=spec["guidance"], seed=7, batch=8)
-    assert res["foreground"] >= 7 / 8 and res["background"] >= 7 / 8, res
+                   guidance=spec["guidance"], seed=7, batch=16, latent=info["latent"])
+    assert res["foreground"] >= 15 / 16 and res["background"] >= 15 / 16, res
+    # 82-88% on all 84 held-out prompts over four draws; chance is 1/4
+    assert res["direction"] >= 10 / 16, res

@@ -20,6 +20,8 @@ from tests.test_stage3 import read_video, run_script
 
 README_PROMPT = "red circle moves right on blue"
 PIPE = get_pipeline(DEFAULT_PROMPT_PIPELINE)
+# the fixtures' name of its latent mapping (bench/fixtures/videos.py)
+PIPE_MAPPING = {"pixel-anchored": "anchored", "pixel-deltas": "deltas"}.get(PIPE.latent, "pixels")
 
 
 def shown(path):
@@ -45,7 +47,7 @@ def test_the_readme_prompt_becomes_a_video_that_shows_it(readme_run):
     video = work / "outputs" / VIDEO
     assert str(video.relative_to(work)) in out.stdout
     seen = analyse(shown(video))
-    assert (seen["foreground"], seen["background"]) == ("red", "blue"), seen
+    assert (seen["foreground"], seen["background"], seen["direction"]) == ("red", "blue", "right"), seen
     config = json.loads((work / "outputs" / CONFIG).read_text())
     assert config["model"] == DEFAULT_PROMPT_PIPELINE and config["prompt"] == README_PROMPT
     assert config["cache_enabled"] and config["cache_modes"]  # --enable_cache reached stage 2
@@ -71,10 +73,14 @@ def test_three_prompts_compile_the_stage2_programs_once(tmp_path):
     seeds = [json.loads((tmp_path / "out" / d / CONFIG).read_text())["seed"]
              for d in ("001", "002", "003")]
     assert seeds == [42, 3, 44]  # the base seed + the line's index, unless the line gives one
-    for folder, colours in (("001", ("green", "black")), ("002", ("yellow", "magenta")),
-                            ("003", ("white", "red"))):
+    directions = 0
+    for folder, asked in (("001", ("green", "black", "down")),
+                          ("002", ("yellow", "magenta", "left")), ("003", ("white", "red", "up"))):
         seen = analyse(shown(tmp_path / "out" / folder / VIDEO))
-        assert (seen["foreground"], seen["background"]) == colours, (folder, seen)
+        assert (seen["foreground"], seen["background"]) == asked[:2], (folder, seen)
+        directions += seen["direction"] == asked[2]
+    # the model follows the direction on 86-88% of held-out prompts (its card), not on all
+    assert directions >= 2
     # --compare: the uncached video beside the cached one, and a strip of both
     for folder, report in zip(("001", "002", "003"), report["stage2"], strict=True):
         uncached = read_video(tmp_path / "out" / folder / generate_cmd.UNCACHED_VIDEO)[0]
@@ -209,3 +215,22 @@ def test_the_trained_hunyuanvideo_twin_makes_a_video(tmp_path):
     from sampling.stage_io import read_stage2
     latents, _, _ = read_stage2(str(tmp_path))
     assert np.abs(shown_clip - V.from_latent(latents[0].numpy(), "anchored")).mean() < 0.03
+
+
+def test_an_image_becomes_the_first_frame_latent_the_model_was_trained_on(tmp_path):
+    """Image to video: stage 1 takes the picture to the latent of the clip's first frame by the
+    model's own mapping (here the position-anchored pixels), as the fixture trainer built it
+    (bench/fixtures/videos.to_latent), up to the PNG's 8 bits."""
+    from PIL import Image
+
+    from bench.fixtures import videos as V
+    clip = V.render(V.Clip((V.Obj("red", "circle", "right"),), "blue"), (4,))
+    png = tmp_path / "first.png"
+    Image.fromarray((clip[0] * 255).round().astype(np.uint8)).save(png)
+    assert stage1_encode.main(["--prompt", README_PROMPT, "--image", str(png),
+                               "--output_dir", str(tmp_path / "s1")]) == 0
+    tensors, _ = read_stage1(str(tmp_path / "s1"), PIPE.stage1_specs(
+        PIPE.latent_shape(*PIPE.size), cfg_on=True, image=True))
+    want = V.to_latent(clip, PIPE_MAPPING)[:, :1]
+    assert np.abs(tensors["image_latents"][0].numpy() - want).max() < 2 / 255
+
