@@ -194,8 +194,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="warm-up rounds before the timed loop; each runs every program once "
                         "(default 1)")
     g.add_argument("--compile_cache_dir", default=None,
-                   help="persistent JAX compilation cache (default ~/.cache/dit-feature-cache/jax; "
-                        "'none' turns it off)")
+                   help="persistent JAX compilation cache: a folder, or a bucket URL (gs://...) "
+                        "that every host of a slice shares (default "
+                        "~/.cache/dit-feature-cache/jax; 'none' turns it off)")
     g = parser.add_argument_group("parallel")
     g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
                    help="sequence-parallel group size: devices (JAX) or processes (torchrun) "
@@ -548,7 +549,12 @@ def _check_outputs(args) -> str:
         if cache_dir is None:
             from tpu.compile import DEFAULT_CACHE_DIR
             cache_dir = DEFAULT_CACHE_DIR
-        if cache_dir.lower() != "none":
+        from tpu.compile import check_remote, is_remote
+        if is_remote(cache_dir):  # a bucket: JAX reaches it itself, if it can
+            problem = check_remote(cache_dir)
+            if problem is not None:
+                raise UsageError(f"--compile_cache_dir {problem}")
+        elif cache_dir.lower() != "none":
             check_writable(cache_dir, "--compile_cache_dir",
                            hint=" (or 'none' to run without the persistent compilation cache)")
     return output_dir

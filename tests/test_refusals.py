@@ -246,6 +246,18 @@ def test_a_sink_whose_package_does_not_import_is_refused_with_the_install_line(
     assert listing(tmp_path) == []
 
 
+def test_a_bucket_compile_cache_without_etils_is_refused_with_the_install_line(
+        tmp_path, monkeypatch, capsys):
+    """--compile_cache_dir gs://...: JAX reaches a bucket through etils.epath; without it the
+    run stops before any work, saying what to install (requirements-tpu.txt has it)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "etils", None)  # import now raises ImportError
+    refused(stage2.main, ["--compile_cache_dir", "gs://bucket/jax-cache"], capsys,
+            "--compile_cache_dir gs://bucket/jax-cache is a bucket URL",
+            "pip install 'etils[epath,epath-gcs]'")
+    assert listing(tmp_path) == []
+
+
 def _enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -73,12 +73,36 @@ def remove_empty_entries(directory: str) -> int:
     return removed
 
 
+def is_remote(directory: str) -> bool:
+    """A bucket URL (gs://bucket/path, ...), which JAX reads and writes through etils.epath,
+    rather than a local or mounted folder (file:// counts as local, as in JAX)."""
+    return "://" in directory and not directory.startswith("file://")
+
+
+def check_remote(directory: str) -> str | None:
+    """What stops JAX from using the bucket URL `directory` (a missing package), or None."""
+    try:
+        from etils import epath  # noqa: F401
+    except ImportError:
+        return (f"{directory} is a bucket URL, which JAX's compilation cache reaches through "
+                "etils.epath; expected it installed: pip install 'etils[epath,epath-gcs]' "
+                "(in requirements-tpu.txt)")
+    return None
+
+
 def enable_compile_cache(directory: str | None) -> str | None:
-    """Turn the persistent compilation cache on (None: leave it off). Returns the directory."""
+    """Turn the persistent compilation cache on (None: leave it off). Returns the directory. A
+    bucket URL (gs://...) is handed to JAX as it is: every host of a slice then reads the
+    entries process 0 wrote, where a per-host folder would make the others compile again."""
     if not directory:
         return None
-    os.makedirs(directory, exist_ok=True)
-    remove_empty_entries(directory)
+    if is_remote(directory):
+        problem = check_remote(directory)
+        if problem is not None:
+            raise RuntimeError(problem)
+    else:
+        os.makedirs(directory, exist_ok=True)
+        remove_empty_entries(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     # Cache every program, however small or fast to compile: warm-up is the cost we remove.
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
