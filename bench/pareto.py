@@ -1365,7 +1365,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     began, load = time.perf_counter(), os.getloadavg()[0]
-    print(f"machine: {machine()}\npeers: {versions()}\ninit: {INIT}\n"
+    init = (INIT if args.weights == "random" else
+            f"trained here ({', '.join(PIPELINES[TRAINED[f.key]].builtin for f in fams)}), every "
+            + (f"setting on {args.follow} held-out prompts" if args.follow
+               else f"setting on the held-out prompt of draw {SEED}"))
+    print(f"machine: {machine()}\npeers: {versions()}\nweights: {init}\n"
           "blocks = fraction of block evaluations computed (sub-layer hooks); speed = CPU time "
           "of the same implementation's uncached loop over the run's; PSNR, rel L2, rel/disp "
           "against its uncached latents")
