@@ -213,7 +213,8 @@ def hunyuan_diffusers_config(cfg) -> dict:
     return dict(in_channels=2 * cfg.in_channels + 1, out_channels=cfg.out_channels,
                 num_attention_heads=cfg.num_heads, attention_head_dim=cfg.head_dim,
                 num_layers=cfg.num_layers, num_refiner_layers=cfg.refiner_layers,
-                mlp_ratio=cfg.mlp_ratio, patch_size=1, patch_size_t=1, text_embed_dim=cfg.text_dim,
+                mlp_ratio=cfg.mlp_ratio, patch_size=cfg.patch_size[1],
+                patch_size_t=cfg.patch_size[0], text_embed_dim=cfg.text_dim,
                 text_embed_2_dim=cfg.byt5_dim, image_embed_dim=cfg.vision_dim,
                 rope_axes_dim=cfg.rope_axes, rope_theta=cfg.rope_theta,
                 use_meanflow=cfg.use_meanflow)
