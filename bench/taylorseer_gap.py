@@ -1,0 +1,63 @@
+"""Trained weights (issue 28): why diffusers' TaylorSeer leads our front at fixed intervals.
+
+    python bench/taylorseer_gap.py [--prompts 6]
+
+On the trained tiny Wan (assets/tiny-wan-ti2v), held-out prompts pooled (bench/pareto.py's
+trained regime): diffusers' TaylorSeer (order 1: every block's attention and FFN outputs
+extrapolated, and the current step's modulation applied to them) against our DeepCache schedule
+at the same interval, with the whole middle residual reused (forecast 0) or extrapolated
+linearly (1) or quadratically (2), with and without a tail block. Prints the computed fraction,
+the pooled PSNR against the same implementation's uncached run, and held-out direction and
+shape accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench import pareto  # noqa: E402
+from cache import CMConfig, DeepCacheConfig  # noqa: E402
+from sampling.fidelity import fidelity  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=6)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from diffusers.hooks import TaylorSeerCacheConfig
+
+    wl = pareto.build_workload(pareto.trained_families()["wan"], 50)
+    seeds = pareto.FOLLOW_SEEDS[:args.prompts]
+    counter = pareto.our_counter(wl)
+    noise = torch.cat([pareto.noise_for(wl.shape, s) for s in seeds])
+    ours_base = pareto.over_prompts(wl, lambda w: pareto.run_ours(w, CMConfig(), counter), seeds)
+    their_base = pareto.over_prompts(wl, pareto.run_diffusers, seeds)
+
+    def show(name, run, base):
+        f = fidelity(run.latents, base.latents, noise)
+        print(f"{name:42s} computed {run.fraction:.3f}  PSNR {f['psnr_db']:5.1f} dB  direction "
+              f"{run.follow['direction']:.0%}  shape {run.follow['shape']:.0%}", flush=True)
+
+    for iv in (2, 3):
+        hook = pareto.diffusers_hook(lambda iv=iv: TaylorSeerCacheConfig(
+            cache_interval=iv, max_order=1, taylor_factors_dtype=torch.float32,
+            cache_identifiers=pareto.taylorseer_identifiers(wl)))
+        show(f"diffusers TaylorSeer interval {iv}",
+             pareto.over_prompts(wl, lambda w: pareto.run_diffusers(w, hook), seeds), their_base)
+        for forecast in (0, 1, 2):
+            for bn in (0, 1):
+                config = CMConfig(deepcache=DeepCacheConfig(start=3, end=50, interval=iv),
+                                  forecast=forecast, bn_blocks=bn, last_steps=0)
+                show(f"ours DeepCache 3/50/{iv} forecast {forecast} Bn {bn}", pareto.over_prompts(
+                    wl, lambda w, c=config: pareto.run_ours(w, c, counter), seeds), ours_base)
+
+
+if __name__ == "__main__":
+    main()
