@@ -54,3 +54,43 @@ def test_real_architectures_scan_their_identical_blocks():
     assert [i for i in items if isinstance(i, int)] == [b for b in inject if b < s2v.num_blocks - 1]
     covered = sorted(b for i in items for b in ([i] if isinstance(i, int) else range(*i)))
     assert covered == list(range(s2v.num_blocks - 1))
+
+
+def test_s2v_scans_the_blocks_between_its_audio_injections():
+    """Wan S2V: an audio injector after a block ends a run, so only the blocks between
+    injections roll; clip after clip, the scanned middle gives the unrolled latents bit for bit
+    and compiles nothing in the loop."""
+    import dataclasses
+
+    from modules.wan_s2v import CONFIGS
+    from sampling.clips import sample_clips
+    from sampling.pipelines import get_pipeline
+    from sampling.stages import SignalPlan
+    from tests.model_inputs import random_model
+
+    base = get_pipeline("wan-tiny-s2v")
+    config = dataclasses.replace(CONFIGS["wan-tiny-s2v"], num_layers=6, audio_inject_layers=(0, 4))
+
+    class Deeper(type(base)):  # the tiny S2V pipeline on a deeper stack
+        @property
+        def config(self):
+            return config
+
+    pipe = Deeper(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = pipe.synthesize(shape, True, False, 0)
+    tensors["audio_embeds"] = tensors["audio_embeds"][..., :32]  # two clips
+    models = {None: random_model(config, std=0.2)}
+    gate = CMConfig(deepcache=DeepCacheConfig(start=2, end=6, interval=2))
+    out = {}
+    for scan in (False, True):
+        backend = JaxBackend(models, SignalPlan.from_config(gate), scan_blocks=scan)
+        clips = sample_clips(backend, gate, pipe, tensors, shape, seed=0, solver=pipe.solver,
+                             steps=6, shift=pipe.shift)
+        out[scan] = (clips, backend)
+    runs = out[True][1].runs
+    # middle [0, 5): block 0 injects, blocks 1-3 do not, block 4 injects
+    assert [(r.start, r.stop) for r in runs] == [(1, 4)] and out[False][1].runs == []
+    assert torch.equal(out[True][0].latents, out[False][0].latents)
+    trajectories = out[True][0].trajectories
+    assert len(trajectories) == 2 and all(t.loop_compiles.lowered == 0 for t in trajectories)
