@@ -223,8 +223,8 @@ def main():
 
 
 def main_trained(args, runs):
-    from bench.pareto import TRAINED
     from bench.fixtures.analyser import ATTRIBUTES
+    from bench.pareto import TRAINED
     print(f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
           f"CFG on; fp32; {args.backend} backend on CPU")
     verdicts = []

@@ -50,7 +50,7 @@ def main() -> None:
             cache_interval=iv, max_order=1, taylor_factors_dtype=torch.float32,
             cache_identifiers=pareto.taylorseer_identifiers(wl)))
         show(f"diffusers TaylorSeer interval {iv}",
-             pareto.over_prompts(wl, lambda w: pareto.run_diffusers(w, hook), seeds), their_base)
+             pareto.over_prompts(wl, lambda w, h=hook: pareto.run_diffusers(w, h), seeds), their_base)
         for forecast in (0, 1, 2):
             for bn in (0, 1):
                 config = CMConfig(deepcache=DeepCacheConfig(start=3, end=50, interval=iv),

@@ -96,10 +96,11 @@ def test_decisions_match_diffusers_magcache_hook():
     retention are picked so that no sum lands on the threshold: diffusers tests `<=` and rounds
     the retention step, the official code (and ours) `<` and truncates."""
     pytest.importorskip("diffusers")
+    import dataclasses
+
     from diffusers.hooks import MagCacheConfig as TheirConfig
 
     from bench import pareto
-    import dataclasses
 
     family = dataclasses.replace(pareto.families(3, 3)["wan"], size=(64, 64, 5))
     wl = pareto.build_workload(family, steps=10)
