@@ -405,8 +405,13 @@ def run_diffusers(wl: Workload, setup: Callable | None = None) -> Run:
 
 # --- prompt following (trained regime) --------------------------------------------------------
 
-MAPPING = {None: "pixels", "pixels": "pixels", "pixel-deltas": "deltas",
-           "pixel-anchored": "anchored"}  # pipeline latent spec -> bench/fixtures/videos.py's
+def shown_clip(pipe, latents: torch.Tensor):
+    """[F, H, W, 3] in [0, 1]: a pixel-space pipeline's latents [1, C, F, H, W] through its own
+    latent mapping (modules.vae: the one stage 3 decodes with), as the fixtures' analyser reads."""
+    from modules.vae import build_tiny, spec_for
+
+    video = build_tiny(spec_for(pipe), latents.shape[1]).decode(latents.float())[0]
+    return ((video[0] + 1.0) / 2.0).clamp(0.0, 1.0).permute(1, 2, 3, 0).numpy()
 
 
 def over_prompts(wl: Workload, go: Callable, seeds) -> Run:
@@ -416,13 +421,11 @@ def over_prompts(wl: Workload, go: Callable, seeds) -> Run:
     went), CPU and wall summed, the computed fraction averaged. `run.follow`: the fixtures'
     analyser on each decoded video, per attribute, and the hits per prompt."""
     from bench.fixtures import analyser
-    from bench.fixtures import videos as V
 
     runs, hits = [], []
     for seed in seeds:
         run = go(wl.reseeded(seed))
-        video = V.from_latent(run.latents.float().numpy()[0], MAPPING[wl.pipe.latent])
-        hits.append(analyser.score(video, held_out_clip(seed)))
+        hits.append(analyser.score(shown_clip(wl.pipe, run.latents), held_out_clip(seed)))
         runs.append(run)
     out = Run(torch.cat([r.latents for r in runs]), sum(r.wall for r in runs),
               sum(r.cpu for r in runs), sum(r.fraction for r in runs) / len(runs),

@@ -127,8 +127,7 @@ def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12):
     each on `prompts` held-out prompts (bench/pareto.py's draws), pooled: PSNR and rel L2 over
     all of them against the reference's, and prompt following per attribute."""
     from bench.fixtures import analyser
-    from bench.fixtures import videos as V
-    from bench.pareto import FOLLOW_SEEDS, MAPPING, held_out_clip, prompt_tensors
+    from bench.pareto import FOLLOW_SEEDS, held_out_clip, prompt_tensors, shown_clip
     from modules.checkpoint import load_model
     from sampling.run import noise_for
 
@@ -148,8 +147,7 @@ def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12):
                                shift=pipe.shift, step_sync=False, warmup_rounds=1 if k == 0 else 0)
             z = be.get(traj.latents).float()
             latents.append(z)
-            hits.append(analyser.score(V.from_latent(z.numpy()[0], MAPPING[pipe.latent]),
-                                       held_out_clip(seed)))
+            hits.append(analyser.score(shown_clip(pipe, z), held_out_clip(seed)))
             calls.append(calls_fraction(traj))
             blocks.append(blocks_fraction(traj, pipe.config.num_layers, plan))
             wall += traj.stats.wall_seconds
