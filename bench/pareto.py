@@ -698,6 +698,20 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         for th in grid([0.01, 0.02, 0.05, 0.1, 0.3, 0.7, 1.2, 2.1], [0.3, 0.7, 1.2, 2.1, 4.0])],
         "linear forecast, summed forecast error weighted by |dsigma| over its mean "
         "(--step_weight 1), --cache_last_steps 0"))
+    if wl.family.key == "wan":  # remodulated reuse needs gates the blocks share (Wan2.2)
+        out.append(Method("ours DeepCache +forecast1 remodulated", "ours", [
+            (f"start 3, every {n}", ours(CMConfig(
+                deepcache=DeepCacheConfig(start=3, end=wl.steps, interval=n), forecast=1,
+                remodulate=True, bn_blocks=0, last_steps=0)))
+            for n in pick([2, 3, 4, 5])],
+            "B0, the schedule of diffusers' TaylorSeer at the same interval; the reused residual "
+            "kept split by the time gates and rebuilt with each step's own (--remodulate), "
+            "each part forecast linearly"))
+        out.append(Method("ours FBCache +forecast1 gated remodulated", "ours", [
+            (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=1, forecast_gate=True,
+                                              remodulate=True)))
+            for th in grid([0.2, 0.4, 0.8], [0.2, 0.4, 0.8, 1.6, 3.2])],
+            "ours FBCache +forecast1 gated, with --remodulate"))
     def ours_mag(th, k):
         def go(w):
             if "our_mag" not in cache:

@@ -6,7 +6,9 @@ On the trained tiny Wan (assets/tiny-wan-ti2v), held-out prompts pooled (bench/p
 trained regime): diffusers' TaylorSeer (order 1: every block's attention and FFN outputs
 extrapolated, and the current step's modulation applied to them) against our DeepCache schedule
 at the same interval, with the whole middle residual reused (forecast 0) or extrapolated
-linearly (1) or quadratically (2), with and without a tail block. Prints the computed fraction,
+linearly (1) or quadratically (2), with and without a tail block, and remodulated (the residual
+kept split by the time gates the blocks share and rebuilt with each step's own gates, each part
+forecast as the order says: `--remodulate`). Prints the computed fraction,
 the pooled PSNR against the same implementation's uncached run, and held-out direction and
 shape accuracy.
 """
@@ -29,6 +31,7 @@ from sampling.fidelity import fidelity  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--intervals", default="2,3", help="comma-separated DeepCache intervals")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from diffusers.hooks import TaylorSeerCacheConfig
@@ -45,18 +48,20 @@ def main() -> None:
         print(f"{name:42s} computed {run.fraction:.3f}  PSNR {f['psnr_db']:5.1f} dB  direction "
               f"{run.follow['direction']:.0%}  shape {run.follow['shape']:.0%}", flush=True)
 
-    for iv in (2, 3):
+    for iv in (int(v) for v in args.intervals.split(",")):
         hook = pareto.diffusers_hook(lambda iv=iv: TaylorSeerCacheConfig(
             cache_interval=iv, max_order=1, taylor_factors_dtype=torch.float32,
             cache_identifiers=pareto.taylorseer_identifiers(wl)))
         show(f"diffusers TaylorSeer interval {iv}",
              pareto.over_prompts(wl, lambda w, h=hook: pareto.run_diffusers(w, h), seeds), their_base)
         for forecast in (0, 1, 2):
-            for bn in (0, 1):
+            for bn, remodulate in ((0, False), (1, False), (0, True)):
                 config = CMConfig(deepcache=DeepCacheConfig(start=3, end=50, interval=iv),
-                                  forecast=forecast, bn_blocks=bn, last_steps=0)
-                show(f"ours DeepCache 3/50/{iv} forecast {forecast} Bn {bn}", pareto.over_prompts(
-                    wl, lambda w, c=config: pareto.run_ours(w, c, counter), seeds), ours_base)
+                                  forecast=forecast, bn_blocks=bn, last_steps=0,
+                                  remodulate=remodulate)
+                show(f"ours DeepCache 3/50/{iv} forecast {forecast} Bn {bn}"
+                     + (" remodulated" if remodulate else ""), pareto.over_prompts(
+                         wl, lambda w, c=config: pareto.run_ours(w, c, counter), seeds), ours_base)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,12 @@ class CMConfig:
     # Order 2 only while the gap since the last compute is at most this many times the spacing of
     # the last two computes (longer gaps forecast linearly); None = always the highest order.
     forecast_reach: float | None = None
+    # Remodulated reuse: the middle's residual is kept as the part no time gate scales and, per
+    # time gate its blocks share, the sum of the outputs that gate scales; a reuse step rebuilds
+    # it with its own step's gates (forecasting each part as `forecast` says). What a per-module
+    # TaylorSeer gets by caching every block's sub-layers, at 3 tensors a branch instead of 3 a
+    # block. Needs a model whose blocks share one time term in their gates (the Wan2.2 family).
+    remodulate: bool = False
     # Step-size weighting (issue 17): FBCache's metric of each call is multiplied by
     # (|sigma_i - sigma_i+1| / mean step)^step_weight before the threshold (and the run's sum,
     # with accumulate). An output error made on step i moves the latent by about the step's
@@ -149,7 +155,7 @@ class CMConfig:
             raise ConfigError("CMConfig.step_weight weights FBCache's metric by the step size; "
                               "it needs FBCache enabled", field="CMConfig.step_weight",
                               value=self.step_weight, expected="0, or FBCache enabled")
-        for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run", "forecast_gate"):
+        for name in ("cfg_sep_diff", "cfg_compute_first", "dry_run", "forecast_gate", "remodulate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"CMConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.forecast_gate and (self.forecast < 1 or self.fbcache is None

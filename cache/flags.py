@@ -163,6 +163,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                    help="forecast with order 2 only while the gap since the last compute is at "
                         "most this many times the spacing of the last two, else linearly "
                         + d(CMConfig, "forecast_reach"))
+    g.add_argument("--remodulate", type=_bool,
+                   help="keep the middle's residual split by the time gates its blocks share and "
+                        "rebuild it on reuse with the step's own gates (Wan2.2 family; 3 tensors "
+                        "a branch instead of 1) " + d(CMConfig, "remodulate"))
     g.add_argument("--step_weight", type=float,
                    help="weigh FBCache's metric of each step by (step size / mean step size) to "
                         "this power, so a late (large) step's error counts more; 0 = off "
@@ -208,6 +212,7 @@ FIELD_FLAGS = {
     "CMConfig.forecast": ("--forecast", "forecast"),
     "CMConfig.forecast_gate": ("--forecast_gate", "forecast_gate"),
     "CMConfig.forecast_reach": ("--forecast_reach", "forecast_reach"),
+    "CMConfig.remodulate": ("--remodulate", "remodulate"),
     "CMConfig.step_weight": ("--step_weight", "step_weight"),
     "CMConfig.scene_guard": ("--scene_guard", "scene_guard"),
 }
@@ -350,6 +355,7 @@ def _config_from_args(args: argparse.Namespace, fields: dict | None = None) -> C
             forecast=args.forecast,
             forecast_gate=args.forecast_gate,
             forecast_reach=args.forecast_reach,
+            remodulate=args.remodulate,
             step_weight=args.step_weight,
             scene_guard=args.scene_guard,
             bn_ids=args.bn_ids,

@@ -324,13 +324,19 @@ class CacheManager:
                 return Applied(x, decision.resume_from_block,
                                self._convert(decision, state, FailSafe.MISSING_RESIDUAL))
             residuals = []
-            for slot in (state.slot, *state.tail):
-                residual, failure = slot.fetch(self.ops, x, decision.step, self.config.forecast,
-                                               self.config.forecast_reach)
+            # a remodulated residual is a tuple of parts, each shaped like x
+            like = x if not self.config.remodulate or state.slot.residual is None else \
+                (x,) * len(self.ops.shape(state.slot.residual))
+            for slot, each in zip((state.slot, *state.tail), (like, *(x,) * len(state.tail)),
+                                  strict=True):
+                residual, failure = slot.fetch(self.ops, each, decision.step,
+                                               self.config.forecast, self.config.forecast_reach)
                 if failure is not None:
                     return Applied(x, decision.resume_from_block,
                                    self._convert(decision, state, failure))
                 residuals.append(residual)
+            if self.config.remodulate:  # the backend's cached tail rebuilds it with this step's gates
+                return Applied(x, decision.resume_from_block, decision, tuple(residuals))
             return Applied(self.ops.add(x, residuals[0]), decision.resume_from_block, decision,
                            tuple(residuals[1:]))
         except Exception:  # noqa: BLE001
@@ -352,16 +358,20 @@ class CacheManager:
             self.telemetry.count_pair_divergence(after, recorded_as_skip=True)
         return after
 
-    def update(self, decision: Decision, x_before, x_after, probe=None, tail=()) -> None:
-        """After a compute: cache x_after - x_before (and the probe's first-block residual, and
-        with bn_ids the residual of each reused tail run, computed by the tail program)."""
+    def update(self, decision: Decision, x_before, x_after, probe=None, tail=(),
+               residual=None) -> None:
+        """After a compute: cache x_after - x_before, or `residual` when the middle gave it
+        (remodulate: its parts), and the probe's first-block residual, and with bn_ids the
+        residual of each reused tail run, computed by the tail program."""
         try:
             state = self._current(decision)
             if state is None or decision.skip:
                 self.telemetry.count_failsafe(FailSafe.LIFECYCLE_GUARD, decision)
                 return
             keep = self.config.forecast
-            state.slot.store(self.ops, self.ops.sub(x_after, x_before), decision.step, keep=keep)
+            if residual is None:
+                residual = self.ops.sub(x_after, x_before)
+            state.slot.store(self.ops, residual, decision.step, keep=keep)
             runs = len(self.config.tail_runs)
             if len(tail) != runs:  # a missing tail residual would let a skip reuse a stale one
                 for slot in state.tail:

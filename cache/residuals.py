@@ -28,22 +28,30 @@ class TensorOps(Protocol):
     def combine(self, terms): ...  # sum(w * x) over (float, residual) pairs: forecasting
 
 
+def _each(fn, *xs):
+    """fn leaf by leaf: a residual may be a tuple of arrays (HunyuanVideo's pair, remodulated
+    parts)."""
+    if isinstance(xs[0], tuple):
+        return tuple(fn(*leaves) for leaves in zip(*xs, strict=True))
+    return fn(*xs)
+
+
 class NumpyOps:
-    """TensorOps for numpy arrays on the host: one device, 'cpu'."""
+    """TensorOps for numpy arrays (or tuples of them) on the host: one device, 'cpu'."""
 
     host = "cpu"
 
     def add(self, a, b):
-        return a + b
+        return _each(lambda x, y: x + y, a, b)
 
     def sub(self, a, b):
-        return a - b
+        return _each(lambda x, y: x - y, a, b)
 
     def shape(self, x):
-        return tuple(x.shape)
+        return _each(lambda a: tuple(a.shape), x)
 
     def dtype(self, x):
-        return x.dtype
+        return _each(lambda a: a.dtype, x)
 
     def device(self, x):
         return "cpu"
@@ -52,10 +60,14 @@ class NumpyOps:
         return x
 
     def cast(self, x, dtype):
+        if isinstance(x, tuple):
+            return tuple(a.astype(d) for a, d in zip(x, dtype, strict=True))
         return x.astype(dtype)
 
     def can_cast(self, src_dtype, dst_dtype):
-        return src_dtype.kind == "f" and dst_dtype.kind == "f"
+        pairs = zip(src_dtype, dst_dtype, strict=True) if isinstance(src_dtype, tuple) \
+            else ((src_dtype, dst_dtype),)
+        return all(s.kind == "f" and d.kind == "f" for s, d in pairs)
 
     def is_oom(self, exc):
         return isinstance(exc, MemoryError)
@@ -64,7 +76,8 @@ class NumpyOps:
         return None
 
     def combine(self, terms):
-        return sum(w * x for w, x in terms)
+        return _each(lambda *xs: sum(w * x for (w, _), x in zip(terms, xs, strict=True)),
+                     *(x for _, x in terms))
 
 
 def extrapolation_weights(steps: list[int], at: int) -> list[float]:

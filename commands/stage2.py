@@ -29,7 +29,7 @@ from modules.checkpoint import (
     reader_fingerprint,
 )
 from modules.layers import ModelConfigError
-from modules.registry import build_model
+from modules.registry import build_model, family_of
 from sampling import platforms, progress
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
@@ -72,7 +72,7 @@ from sampling.stage_io import (
     read_stage1,
     write_stage2,
 )
-from sampling.stages import SignalPlan
+from sampling.stages import SignalPlan, check_remodulate
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEED = 42
@@ -385,6 +385,11 @@ def _check_blocks(config: CMConfig, pipe, args) -> None:
         source = " ".join(given) or (f"--preset {args.preset}" if args.preset else "the defaults")
         raise UsageError(f"{source}: probe blocks ({fn}) + tail blocks ({bn}) exceed the "
                          f"{pipe.name} model's {blocks} blocks; expected fn + bn <= {blocks}")
+    if config.enabled and config.remodulate:
+        try:
+            check_remodulate(family_of(pipe.config).model_cls)
+        except ValueError as exc:
+            raise UsageError(f"{pipe.name}: {exc}") from None
 
 
 def _budgeted(args, pipe) -> tuple[CMConfig, dict]:

@@ -82,6 +82,12 @@ class StagedDiT(nn.Module):
         """RoPE tables for a token grid; build them once per shape and pass them to prepare()."""
         return rope_tables(grid, self.config.rope_axes, self.config.rope_theta, device)
 
+    def time_gates(self, ctx):
+        """The time term shared by every block's gate rows (see WanDiT.time_gates), or None when
+        each block derives its gates from the time embedding on its own (HunyuanVideo-1.5:
+        a linear layer per block), so no block-independent term exists."""
+        return None
+
 
 def timestep_sinusoid(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
     """cat(cos, sin) of t * 10000^(-i/half), in fp32, shape t.shape + (dim,) (trap T25).

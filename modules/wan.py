@@ -144,14 +144,26 @@ class WanBlock(nn.Module):
         return (self.modulation.float().unsqueeze(0) + ctx.e0).unbind(2)
 
     def forward(self, h_BLD: torch.Tensor, ctx: WanContext, key_mask_BL=None) -> torch.Tensor:
+        return self.forward_gated(h_BLD, ctx, key_mask_BL)[0]
+
+    def forward_gated(self, h_BLD: torch.Tensor, ctx: WanContext, key_mask_BL=None):
+        """(the block's output, (self-attention output, FFN output)): the two sub-layer outputs
+        the block adds scaled by its gate rows, given before that scaling, fp32."""
         shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = self.modulation_chunks(ctx)
         y = ops.layer_norm_modulate(h_BLD, shift_msa, scale_msa, self.eps)
-        y = self.self_attn(y, y, (ctx.rope_cos, ctx.rope_sin), key_mask_BL)
-        h_BLD = h_BLD + y.float() * gate_msa
+        attn = self.self_attn(y, y, (ctx.rope_cos, ctx.rope_sin), key_mask_BL).float()
+        h_BLD = h_BLD + attn * gate_msa
         y = self.norm3(h_BLD)
         h_BLD = h_BLD + self.cross_attn(y, ctx.context).float()
         y = ops.layer_norm_modulate(h_BLD, shift_ffn, scale_ffn, self.eps)
-        return h_BLD + self.ffn(y).float() * gate_ffn
+        ffn = self.ffn(y).float()
+        return h_BLD + ffn * gate_ffn, (attn, ffn)
+
+    def time_gates(self, ctx: WanContext):
+        """The time term of the gate rows `forward_gated`'s outputs are scaled by: each gate is
+        this block's modulation row plus it, and it is the same for every block (e0's chunks)."""
+        e0 = ctx.e0.unbind(2)
+        return e0[2], e0[5]
 
 
 class WanHead(nn.Module):
@@ -239,6 +251,18 @@ class WanDiT(StagedDiT):
 
     def block(self, i: int, h_BLD: torch.Tensor, ctx: WanContext) -> torch.Tensor:
         return self.blocks[i](h_BLD, ctx)
+
+    def block_gated(self, i: int, h_BLD: torch.Tensor, ctx: WanContext):
+        """block(i) and the outputs it adds scaled by time-gated rows, before that scaling (the
+        order of `time_gates`)."""
+        return self.blocks[i].forward_gated(h_BLD, ctx)
+
+    def time_gates(self, ctx: WanContext):
+        """The time term every block's gate rows share: block i's output is
+        h + R_i + sum_k (m_ik + time_gates[k]) * y_ik with y_ik = block_gated(i)[1][k] and m_ik
+        block i's own rows, so a sum over blocks of their outputs splits into a part no time
+        term scales and the sums of y_k each time term scales."""
+        return self.blocks[0].time_gates(ctx)
 
     def final(self, h_BLD: torch.Tensor, ctx: WanContext, grid) -> torch.Tensor:
         """Final modulated norm, projection and unpatchify: [B, out_dim, F, H, W] fp32."""

@@ -303,6 +303,13 @@ class WanS2VBlock(WanBlock):
     def forward(self, h_BXD, ctx: WanS2VContext, key_mask_BX=None):
         return super().forward(h_BXD, ctx, ctx.key_mask)  # the context carries the clip's mask
 
+    def forward_gated(self, h_BXD, ctx: WanS2VContext, key_mask_BX=None):
+        return super().forward_gated(h_BXD, ctx, ctx.key_mask)
+
+    def time_gates(self, ctx: WanS2VContext):
+        return tuple(torch.where(ctx.conditioning, c[:, 1:], c[:, :1])
+                     for c in super().time_gates(ctx))
+
 
 class WanS2VDiT(WanDiT):
     block_cls = WanS2VBlock
@@ -414,10 +421,13 @@ class WanS2VDiT(WanDiT):
                                 audio_global)
 
     def block(self, i: int, h_BXD, ctx: WanS2VContext):
-        h_BXD = self.blocks[i](h_BXD, ctx)
-        if i in self.audio_injector.slot:  # official after_transformer_block
+        return self.block_gated(i, h_BXD, ctx)[0]
+
+    def block_gated(self, i: int, h_BXD, ctx: WanS2VContext):
+        h_BXD, gated = self.blocks[i].forward_gated(h_BXD, ctx)
+        if i in self.audio_injector.slot:  # official after_transformer_block (not time-gated)
             h_BXD = self.audio_injector(i, h_BXD, ctx)
-        return h_BXD
+        return h_BXD, gated
 
     def final(self, h_BXD, ctx: WanS2VContext, grid):
         """Head and unpatchify over the noisy tokens: [B, out_dim, F, Hh, W] fp32."""

@@ -151,15 +151,18 @@ def model_call(backend: Backend, gate: CacheManager, plan: SignalPlan, stats: Lo
     hidden, decision = applied.x, applied.decision
     stats.model_calls += 1
     if decision.skip:
-        if plan.tail_runs:
+        if plan.cached_tail:
             return backend.cached_tail(expert, hidden, ctx, applied.tail), decision
         return backend.tail(expert, hidden, ctx), decision
-    after = backend.middle(expert, hidden, ctx)
+    after, parts = backend.middle(expert, hidden, ctx), None
+    if plan.remodulate:  # the middle's residual comes split by the time gates that scale it
+        after, parts = after
     out, tail = backend.tail(expert, after, ctx), ()
     if plan.tail_runs:
         out, tail = out
     if gate.config.enabled:  # caching off never reuses: storing a residual would be waste
-        gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None, tail=tail)
+        gate.update(decision, hidden, after, probe=r1 if plan.needs_reference else None, tail=tail,
+                    residual=parts)
     return out, decision
 
 

@@ -82,22 +82,28 @@ def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> N
                        for order in range(1, plan.forecast + 1)]
     for ref in references:
         backend.probe(expert, sample.noise, t, conds, ref)
-    after = backend.middle(expert, hidden, ctx)
+    after, parts = backend.middle(expert, hidden, ctx), None
+    if plan.remodulate:  # the middle also returns its residual's parts; reuse hands them back
+        after, parts = after
     residual = backend.ops.sub(after, hidden)
     reused = backend.ops.add(hidden, residual)
     for order in range(1, plan.forecast + 1):  # forecasts combine order + 1 residuals
-        backend.ops.combine([(1.0, residual)] * (order + 1))
+        for r in (residual, parts) if parts is not None else (residual,):
+            backend.ops.combine([(1.0, r)] * (order + 1))
     out = backend.tail(expert, hidden, ctx)
     # the loop's tail takes the middle's output or the reused state, never the probe's: a
     # program whose output came back sharded differently compiles here, not in the loop
     for h in (after, reused):
         backend.tail(expert, h, ctx)
+    tail = ()
     if plan.tail_runs:  # the full tail also returns its runs' residuals; reuse adds them back
         out, tail = out
-        backend.cached_tail(expert, reused, ctx, tail)
         for order in range(1, plan.forecast + 1):
             for r in tail:
                 backend.ops.combine([(1.0, r)] * (order + 1))
+    if plan.cached_tail:  # a reuse step's tail (a remodulated one starts from the probe's state)
+        backend.cached_tail(expert, hidden if parts is not None else reused, ctx,
+                            ((parts,) if parts is not None else ()) + tuple(tail))
     if isinstance(out, tuple):  # a fused CFG call returns (uncond, cond)
         out = out[1]
     lincomb, x = folding(backend.lincomb), sample.noise

@@ -29,6 +29,7 @@ from torch import nn
 
 from cache import CMConfig
 from modules.hunyuan_video15 import HunyuanContext, HunyuanVideo15DiT
+from modules.layers import StagedDiT
 from modules.wan import WanContext, WanDiT
 from modules.wan_s2v import WanS2VContext, WanS2VDiT
 from sharding import layout
@@ -55,6 +56,10 @@ class SignalPlan:
     # the probe's reference is a forecast of block 0's residual (forecast_gate): warm-up runs
     # the probe on one, whose placement comes from the forecast program
     forecast_reference: bool = False
+    # the middle's residual kept split by the time gates that scale it (CMConfig.remodulate):
+    # the middle also returns (part no time term scales, sum of the outputs each one scales),
+    # and a reuse step recombines them with its own step's gates in the cached tail
+    remodulate: bool = False
 
     @classmethod
     def from_config(cls, config: CMConfig) -> "SignalPlan":
@@ -68,7 +73,7 @@ class SignalPlan:
         saliency = config.fbcache.saliency if config.fbcache is not None else 0.0
         return cls(config.probe_blocks, config.tail_blocks, tuple(kinds), downsample,
                    config.forecast, tc_downsample, "latent_delta" in config.needs_signals,
-                   config.tail_runs, saliency, config.forecast_gate)
+                   config.tail_runs, saliency, config.forecast_gate, config.remodulate)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -79,6 +84,11 @@ class SignalPlan:
     def reuse_tail_blocks(self) -> int:
         """Tail blocks a reuse step runs (all Bn, or the bn_ids subset)."""
         return self.bn_blocks - sum(b - a for a, b in self.tail_runs)
+
+    @property
+    def cached_tail(self) -> bool:
+        """A reuse step runs the cached tail (its residuals given), not the full one."""
+        return bool(self.tail_runs) or self.remodulate
 
     @property
     def needs_reference(self) -> bool:
@@ -317,23 +327,76 @@ class Probe(_Stage):
         return hidden, tuple(ctx), lay.gather_batch(signals), r1 if r1 is not None else x.new_zeros(())
 
 
+def check_remodulate(model) -> None:
+    """A remodulated residual needs gates whose time term every block shares. `model`: a
+    model or its class."""
+    cls = model if isinstance(model, type) else type(model)
+    if not hasattr(cls, "block_gated") or getattr(cls, "time_gates", None) in (
+            None, StagedDiT.time_gates):
+        raise ValueError(
+            f"--remodulate recombines the cached residual with each step's time gates, which "
+            f"needs a model whose blocks share one time term in their gates (the Wan2.2 family); "
+            f"{cls.__name__} derives each block's gates on its own: leave --remodulate off")
+
+
 class Middle(_Stage):
-    """Blocks [Fn, N - Bn): what a reuse step replaces with the cached residual."""
+    """Blocks [Fn, N - Bn): what a reuse step replaces with the cached residual.
+
+    With `plan.remodulate` it returns (hidden, parts): parts = (r0, *sums), sums[k] the sum
+    over the window of the outputs time gate k scales (before it), r0 the rest of the window's
+    residual (hidden out - hidden in - sum_k gate_k * sums[k]). Each block step carries
+    (hidden, *sums), so a scanned run (`tpu.scan`) carries them too."""
 
     embeddings = False
 
     def __init__(self, model, plan: SignalPlan):
         super().__init__(model)
         self.start, self.stop = plan.fn_blocks, model.num_blocks - plan.bn_blocks
+        self.remodulate = plan.remodulate
+        if self.remodulate:
+            check_remodulate(model)
 
     def blocks_used(self):
         return set(range(self.start, self.stop))
 
+    def begin(self, hidden):
+        """The state a block step carries: hidden, or (hidden, zero sums)."""
+        if not self.remodulate:
+            return hidden
+        zero = torch.zeros_like(hidden, dtype=torch.float32)
+        return (hidden, *(zero for _ in range(2)))
+
+    def block_step(self, i: int, state, ctx):
+        if not self.remodulate:
+            return run_block(self.model, i, state, ctx)
+        hidden, *sums = state
+        hidden, gated = with_block_weights(self.model, (i,), self.model.block_gated, i, hidden, ctx)
+        return (hidden, *(s + y for s, y in zip(sums, gated, strict=True)))
+
+    def finish(self, state, entry, ctx):
+        if not self.remodulate:
+            return state
+        hidden, *sums = state
+        r0 = hidden - entry
+        for gate, total in zip(self.model.time_gates(ctx), sums, strict=True):
+            r0 = r0 - gate * total
+        return hidden, (r0, *sums)
+
     def forward(self, hidden, ctx):
         ctx = self._local_ctx(ctx)
+        state = self.begin(hidden)
         for i in range(self.start, self.stop):
-            hidden = run_block(self.model, i, hidden, ctx)
-        return hidden
+            state = self.block_step(i, state, ctx)
+        return self.finish(state, hidden, ctx)
+
+
+def remodulated(model, hidden, ctx, parts):
+    """hidden + the middle's residual rebuilt from its parts with this step's time gates."""
+    r0, *sums = parts
+    out = hidden + r0
+    for gate, total in zip(model.time_gates(ctx), sums, strict=True):
+        out = out + gate * total
+    return out
 
 
 def _tree(fn, a, b):
@@ -348,6 +411,8 @@ class Tail(_Stage):
 
     With `plan.tail_runs`, the full tail (cached=False) returns (output, residuals of the runs),
     and the cached tail takes those residuals after (hidden, ctx) and runs only the other blocks.
+    With `plan.remodulate`, the cached tail takes the middle's parts first (`Middle`) and adds
+    the residual they rebuild with this call's time gates to the probe's hidden state.
     """
 
     def __init__(self, model, plan: SignalPlan, grid: tuple[int, int, int], cached: bool = False):
@@ -355,6 +420,7 @@ class Tail(_Stage):
         self.start, self.grid = model.num_blocks - plan.bn_blocks, tuple(grid)
         self.runs = {self.start + a: self.start + b for a, b in plan.tail_runs}
         self.cached = cached
+        self.remodulate = cached and plan.remodulate
 
     def blocks_used(self):
         used = set(range(self.start, self.model.num_blocks))
@@ -367,6 +433,8 @@ class Tail(_Stage):
         ctx = self._ctx(ctx)
         local = local_context(ctx)
         stored, given = [], iter(residuals)
+        if self.remodulate:
+            hidden = remodulated(self.model, hidden, local, next(given))
         i = self.start
         while i < self.model.num_blocks:
             stop = self.runs.get(i)
@@ -394,9 +462,10 @@ STAGES = ("probe", "middle", "tail", "cached_tail")
 
 def stages_for(model, plan: SignalPlan, cond_names, static: dict, grid) -> dict[str, _Stage]:
     """name -> stage of one model for one input shape: what every backend runs. `cached_tail`
-    exists only with bn_ids (otherwise a reuse step runs the same tail as a compute step)."""
+    exists only with bn_ids or remodulate (otherwise a reuse step runs the same tail as a
+    compute step)."""
     out = {"probe": Probe(model, plan, cond_names, static), "middle": Middle(model, plan),
            "tail": Tail(model, plan, grid)}
-    if plan.tail_runs:
+    if plan.cached_tail:
         out["cached_tail"] = Tail(model, plan, grid, cached=True)
     return out

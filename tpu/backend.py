@@ -20,7 +20,7 @@ import torch
 from compat.torchax_compat import import_torchax
 from modules import ops
 from sampling import progress
-from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape, run_block, stages_for
+from sampling.stages import Middle, Probe, SignalPlan, Tail, reference_shape, stages_for
 from sharding import layout
 from sharding.layout import Layout
 
@@ -295,13 +295,14 @@ class JaxBackend:
 
         def forward(stacked, hidden, ctx):
             local = stage._local_ctx(ctx)
+            state = stage.begin(hidden)  # hidden, or what a remodulated middle carries
             for item in self.middle_blocks:
                 if isinstance(item, scan.Run):
-                    hidden = scan.scan_run(model, item, [stacked[f"model.{k}"] for k in item.keys], hidden,
-                                           lambda h, i=item.start: run_block(model, i, h, local))
+                    state = scan.scan_run(model, item, [stacked[f"model.{k}"] for k in item.keys], state,
+                                          lambda s, i=item.start: stage.block_step(i, s, local))
                 else:
-                    hidden = run_block(model, item, hidden, local)
-            return hidden
+                    state = stage.block_step(item, state, local)
+            return stage.finish(state, hidden, local)
         return forward
 
     def prepare(self, cond_names, static: dict, latent_shape) -> None:
