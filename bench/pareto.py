@@ -698,20 +698,26 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         for th in grid([0.01, 0.02, 0.05, 0.1, 0.3, 0.7, 1.2, 2.1], [0.3, 0.7, 1.2, 2.1, 4.0])],
         "linear forecast, summed forecast error weighted by |dsigma| over its mean "
         "(--step_weight 1), --cache_last_steps 0"))
+    # The trained regime (issue 28): a forecast is good for a step or two, so cap the reuse run
+    # (what SeaCache does, max_consecutive_cached 2); TeaCache's signal places the computes.
+    out.append(Method("ours TeaCache +forecast1 (2 in a row)", "ours", [
+        (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th), forecast=1,
+                                          limits=LimitsConfig(max_continuous=2))))
+        for th in grid([0.002, 0.005, 0.01, 0.02], [0.005, 0.01, 0.02, 0.05, 0.2])],
+        "linear forecast, at most 2 reuses in a row"))
+    schedules = [(2, n) for n in pick([2, 3, 4, 5])]
+    out.append(Method("ours DeepCache B0 +forecast1", "ours", [
+        (f"start {a}, every {n}", ours(CMConfig(
+            deepcache=DeepCacheConfig(start=a, end=wl.steps, interval=n), forecast=1,
+            bn_blocks=0))) for a, n in schedules],
+        "no tail block, linear forecast, the last step computed"))
     if wl.family.key == "wan":  # remodulated reuse needs gates the blocks share (Wan2.2)
-        out.append(Method("ours DeepCache +forecast1 remodulated", "ours", [
-            (f"start 3, every {n}", ours(CMConfig(
-                deepcache=DeepCacheConfig(start=3, end=wl.steps, interval=n), forecast=1,
-                remodulate=True, bn_blocks=0, last_steps=0)))
-            for n in pick([2, 3, 4, 5])],
-            "B0, the schedule of diffusers' TaylorSeer at the same interval; the reused residual "
-            "kept split by the time gates and rebuilt with each step's own (--remodulate), "
-            "each part forecast linearly"))
-        out.append(Method("ours FBCache +forecast1 gated remodulated", "ours", [
-            (f"threshold {th}", ours(CMConfig(fbcache=fbsum(th), forecast=1, forecast_gate=True,
-                                              remodulate=True)))
-            for th in grid([0.2, 0.4, 0.8], [0.2, 0.4, 0.8, 1.6, 3.2])],
-            "ours FBCache +forecast1 gated, with --remodulate"))
+        out.append(Method("ours DeepCache B0 +forecast1 remodulated", "ours", [
+            (f"start {a}, every {n}", ours(CMConfig(
+                deepcache=DeepCacheConfig(start=a, end=wl.steps, interval=n), forecast=1,
+                bn_blocks=0, remodulate=True))) for a, n in schedules],
+            "the same, the reused residual kept split by the time gates and rebuilt with each "
+            "step's own (--remodulate), each part forecast linearly"))
     def ours_mag(th, k):
         def go(w):
             if "our_mag" not in cache:
@@ -725,7 +731,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     out.append(Method("ours MagCache", "ours", [
         (f"threshold {th}, K {k}", ours_mag(th, k))
         for th, k in grid([(0.001, 3), (0.003, 3), (0.01, 3), (0.06, 5)],
-                          [(0.01, 3), (0.03, 3), (0.06, 3), (0.12, 4), (0.24, 6)])],
+                          [(0.001, 3), (0.003, 3), (0.01, 3), (0.03, 3), (0.06, 3), (0.12, 4),
+                           (0.24, 6)])],
         "our gate's MagCache: ratios from our calibrate command on the held-out draw diffusers "
         "calibrates on, retention 0.2, per branch"))
     out.append(Method("ours TeaCache +forecast2", "ours", [
