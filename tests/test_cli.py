@@ -160,7 +160,7 @@ def test_presets_resolve_to_one_config_and_flags_override():
     assert safe.noise_adapt == "table:last40"
     hybrid = parse("--preset", "hybrid", "--teacache_thresh", "0.2", "--max_continuous", "5")
     assert hybrid.teacache.threshold == 0.2 and hybrid.limits.max_continuous == 5
-    assert hybrid.forecast == 2 and hybrid.noise_adapt == "linear" and hybrid.teacache.relative
+    assert hybrid.forecast == 1 and hybrid.noise_adapt == "linear" and hybrid.teacache.relative
     turbo = parse("--preset", "turbo", "--fbcache", "--teacache_relative", "false")
     assert turbo.modes == ("fb", "tc") and turbo.teacache.downsample == 4 and not turbo.cfg_sep_diff
     assert not turbo.teacache.relative and turbo.teacache.threshold == 5.0
