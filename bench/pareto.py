@@ -705,6 +705,11 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
                                           limits=LimitsConfig(max_continuous=2))))
         for th in grid([0.002, 0.005, 0.01, 0.02], [0.005, 0.01, 0.02, 0.05, 0.2])],
         "linear forecast, at most 2 reuses in a row"))
+    out.append(Method("ours TeaCache +forecast1 (1 in a row)", "ours", [
+        (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th), forecast=1,
+                                          limits=LimitsConfig(max_continuous=1))))
+        for th in grid([0.002, 0.005, 0.01], [0.01, 0.02, 0.05])],
+        "linear forecast, never two reuses in a row (the high-fidelity end)"))
     schedules = [(2, n) for n in pick([2, 3, 4, 5])]
     out.append(Method("ours DeepCache B0 +forecast1", "ours", [
         (f"start {a}, every {n}", ours(CMConfig(
@@ -735,6 +740,20 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
                            (0.24, 6)])],
         "our gate's MagCache: ratios from our calibrate command on the held-out draw diffusers "
         "calibrates on, retention 0.2, per branch"))
+    def ours_mag_forecast(th):
+        def go(w):
+            if "our_mag" not in cache:
+                cache["our_mag"] = our_mag_ratios(w)
+            ratios = cache["our_mag"]
+            return run_ours(w, CMConfig(magcache=MagCacheConfig(
+                ratios=ratios["cond"], uncond_ratios=ratios.get("uncond", ()), threshold=th,
+                max_skip=2), forecast=1), cache["counter"])
+        return go
+
+    out.append(Method("ours MagCache +forecast1 (K 2)", "ours", [
+        (f"threshold {th}, K 2", ours_mag_forecast(th))
+        for th in grid([0.001, 0.003, 0.01], [0.003, 0.005, 0.01, 0.03])],
+        "our MagCache, at most 2 reuses in a row, the reused residual extrapolated linearly"))
     out.append(Method("ours TeaCache +forecast2", "ours", [
         (f"threshold {th}", ours(CMConfig(teacache=TeaCacheConfig(threshold=th), forecast=2,
                                           limits=LimitsConfig(max_continuous=3))))
@@ -1227,28 +1246,35 @@ def plot_follow(rows, fams, path) -> bool:
 
 
 TRAINED_NOTES = """\
-- The regime (issue 28): on the tiny Wan trained here, pooled over 12 held-out prompts, the
-  cached runs keep 8-67 dB PSNR against uncached (median 31) at 0.24-0.88 computed, where the
-  random-weight tables keep 55-110 dB at like fractions.
-- Where a peer leads: diffusers' TaylorSeer at a fixed interval (42.2 dB at 0.52 computed, the
-  best any method reaches below 0.6; 30.7 dB at 0.26). It extrapolates every block's attention
-  and FFN outputs and then applies the current step's modulation to them; we extrapolate the
-  whole middle residual, modulation included, and the modulation moves non-linearly with t on a
-  trained model. `python bench/taylorseer_gap.py` isolates it: at interval 2 (0.54 computed),
-  our schedule with the residual reused gives 28.0 dB, linearly extrapolated 30.5, quadratically
-  37.0, against TaylorSeer's 47.6 on the same 6 prompts. Extrapolating the sub-layer outputs
-  before the modulation is the gate's next step.
-- Where we lead: every thresholded peer at matched computed fraction, by a median of +3.4 dB
-  (diffusers FBC), +3.7 (diffusers MagCache, whose cheapest point we miss by 0.2), +7.6 to +19.6
-  (cache-dit F1B0/F3B0, with and without its TaylorSeer calibrator); SeaCache is level (+0.6 /
-  +1.5 dB).
-- Prompt following: shape is the first attribute to go (it drops in nearly every setting that
-  breaks the prompt), the colours the last. Ours keeps the whole prompt down to 0.25 computed
-  (FBCache 0.8), as diffusers' FBC does (0.24); cache-dit's TaylorSeer calibrator at its larger
-  thresholds loses the colours too.
-- Caveats: 12 prompts (one prompt is 8 points of accuracy), a 6-block 64-token model; CPU
-  seconds of a tiny model are mostly per-call overhead, so the computed fraction is the figure
-  to compare.
+- The regime (issue 28): on the tiny models trained here (held-out direction 100% on both),
+  pooled over 12 held-out prompts, cached runs keep 7-84 dB PSNR against uncached (median 40) on
+  Wan and 1-76 dB (median 31) on HunyuanVideo-1.5 at 0.16-0.92 computed, where the random-weight
+  tables keep 55-110 dB at like fractions. Which steps a schedule computes moves PSNR by up to
+  5 dB at one fraction (bench/results/taylorseer_gap.md), so differences of a dB or two between
+  neighbouring points are noise.
+- What the trained regime asks of the gate: a forecast holds for a step or two. A linear
+  forecast with at most 2 reuses in a row (`--teacache --forecast 1 --max_continuous 2`,
+  SeaCache's shape) keeps 52.5 dB at 0.37 on Wan, where 3 in a row keeps 43.7 at 0.33 and a
+  quadratic forecast 43.9 at 0.37; with at most 1 in a row, 67.5 dB at 0.63. Our MagCache with
+  the same linear forecast and K 2 keeps 65.6 dB at 0.56. The hybrid preset changed to this
+  shape (bench/results/presets.md).
+- Where a peer still leads (Wan): diffusers' MagCache at its high-fidelity end (73.1 dB at 0.88;
+  ours 71.8 at 0.80, -1.3 dB) and level points with it at 0.60 (+0.3 dB) and with TaylorSeer at
+  0.26 (-0.6 dB). Nothing else: SeaCache by +4.5 / +4.9 dB, MagCache at 0.34 by +6.9, FBC by
+  +2.4 to +17.5, cache-dit by +17 to +58.
+- TaylorSeer's lead on the earlier weights was the schedule, not the modulation: at the steps
+  TaylorSeer computes, our linear forecast keeps 47.1 dB against its 42.8 (interval 2) and 45.7
+  against 46.7 (interval 3, 0.36 against 0.38 computed); re-applying each step's modulation to
+  the reused residual (`--remodulate`, exactly TaylorSeer's form of reuse) moves our rows by
+  -1.2 to +0.5 dB (bench/results/taylorseer_gap.md).
+- HunyuanVideo-1.5: only diffusers' TaylorSeer and cache-dit run on it; ours meets both forms at
+  all 3 TaylorSeer points (+6.1 to +16.4 dB, 1.27x-1.62x less computed).
+- Prompt following: shape is the first attribute to go, the colours the last. Ours keeps the
+  whole prompt down to 0.25 computed on Wan (FBCache 0.8) and 0.16 on HunyuanVideo-1.5
+  (TeaCache 0.05); the peers down to 0.26 (TaylorSeer interval 5) on both.
+- Caveats: 12 prompts (one prompt is 8 points of accuracy), 6- and 4-block models of 64
+  tokens; CPU seconds of a tiny model are mostly per-call overhead, so the computed fraction is
+  the figure to compare.
 """
 
 
