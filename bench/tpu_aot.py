@@ -72,10 +72,7 @@ V5_BLOCKS = ("v5e and v5p compile splash with 1024-row query blocks (tpu/attenti
 # reports compiled before tpu.aot read past the splash kernel's multi-line metadata (a line of it
 # starting `}},` ended the computation: every program's collectives after its first kernel were
 # dropped); drop a row from here once it is compiled again
-UNDERCOUNTED = {"hy15-720p-v6e8": "its middle counts all-gather 478 (13,560 MiB) and no "
-                                  "collective-permute; the unrolled report has 848 (22,002 MiB) and "
-                                  "424 (722 MiB), which a recount should match, as ti2v5b-v6e8's did "
-                                  "(87 -> 290 all-gathers, 1,566 -> 9,048 MiB); probe and tail too"}
+UNDERCOUNTED: dict[str, str] = {}  # every such report has been compiled again
 ANCHOR = ("HunyuanVideo-1.5 720p 121 frames on v6e-8, measured by the anchor (gpu-tpu-pedia, "
           "tpu_notes 1.8): 7.29 s/step with stock splash, 5.81 s/step with its exp2 kernel, "
           "DeepCache ~1.8x (1.83x measured at 49 frames)")
@@ -214,8 +211,11 @@ def main():
         "tpu.aot ... --unrolled` compiles that way), b with each run of identical blocks as one",
         "`jax.lax.scan` (tpu/scan.py, the default). Costs of a loop count its body once per",
         "iteration. Compile seconds depend on what else this shared machine runs: compare a row's",
-        "middle with its tail, which the scan does not change (hy15-720p-v6e8: tail 156 s before,",
-        "352 s after, under a load average of about 8 on 2 cores).",
+        "middle with its tail, which the scan does not change. hy15-720p-v6e8's two reports were",
+        "compiled one after the other on an otherwise idle machine (2026-11-26, load average about",
+        "2 from the compile itself): middle 352.8 s unrolled, 60.1 s scanned (5.9x), tail 49.8 and",
+        "51.6 s, TFLOP identical, HBM per chip 6.1 -> 4.2 GiB (the scan's temporaries are one",
+        "block's). The other `a -> b` rows were compiled beside other jobs.",
         "",
         "| pipeline | slice (chip HBM) | sp | weights | fits (GiB left) | GiB per chip | compile s (middle) "
         "| TFLOP/step/chip | roofline s/step, off | computed steps | roofline s/step, cached |",
