@@ -723,14 +723,14 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
                 bn_blocks=0, remodulate=True))) for a, n in schedules],
             "the same, the reused residual kept split by the time gates and rebuilt with each "
             "step's own (--remodulate), each part forecast linearly"))
-    def ours_mag(th, k):
+    def ours_mag(th, k, forecast=0):
         def go(w):
             if "our_mag" not in cache:
                 cache["our_mag"] = our_mag_ratios(w)
             ratios = cache["our_mag"]
             return run_ours(w, CMConfig(magcache=MagCacheConfig(
                 ratios=ratios["cond"], uncond_ratios=ratios.get("uncond", ()), threshold=th,
-                max_skip=k)), cache["counter"])
+                max_skip=k), forecast=forecast), cache["counter"])
         return go
 
     out.append(Method("ours MagCache", "ours", [
@@ -740,18 +740,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
                            (0.24, 6)])],
         "our gate's MagCache: ratios from our calibrate command on the held-out draw diffusers "
         "calibrates on, retention 0.2, per branch"))
-    def ours_mag_forecast(th):
-        def go(w):
-            if "our_mag" not in cache:
-                cache["our_mag"] = our_mag_ratios(w)
-            ratios = cache["our_mag"]
-            return run_ours(w, CMConfig(magcache=MagCacheConfig(
-                ratios=ratios["cond"], uncond_ratios=ratios.get("uncond", ()), threshold=th,
-                max_skip=2), forecast=1), cache["counter"])
-        return go
-
     out.append(Method("ours MagCache +forecast1 (K 2)", "ours", [
-        (f"threshold {th}, K 2", ours_mag_forecast(th))
+        (f"threshold {th}, K 2", ours_mag(th, 2, forecast=1))
         for th in grid([0.001, 0.003, 0.01], [0.003, 0.005, 0.01, 0.03])],
         "our MagCache, at most 2 reuses in a row, the reused residual extrapolated linearly"))
     out.append(Method("ours TeaCache +forecast2", "ours", [

@@ -85,11 +85,12 @@ def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> N
     after, parts = backend.middle(expert, hidden, ctx), None
     if plan.remodulate:  # the middle also returns its residual's parts; reuse hands them back
         after, parts = after
-    residual = backend.ops.sub(after, hidden)
-    reused = backend.ops.add(hidden, residual)
+    # what a compute stores and a reuse forecasts (the residual, or its parts), and the state a
+    # reuse step's tail starts from (probe + residual, or the probe's own with remodulate)
+    stored = parts if parts is not None else backend.ops.sub(after, hidden)
+    reused = hidden if parts is not None else backend.ops.add(hidden, stored)
     for order in range(1, plan.forecast + 1):  # forecasts combine order + 1 residuals
-        for r in (residual, parts) if parts is not None else (residual,):
-            backend.ops.combine([(1.0, r)] * (order + 1))
+        backend.ops.combine([(1.0, stored)] * (order + 1))
     out = backend.tail(expert, hidden, ctx)
     # the loop's tail takes the middle's output or the reused state, never the probe's: a
     # program whose output came back sharded differently compiles here, not in the loop
@@ -102,8 +103,7 @@ def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> N
             for r in tail:
                 backend.ops.combine([(1.0, r)] * (order + 1))
     if plan.cached_tail:  # a reuse step's tail (a remodulated one starts from the probe's state)
-        backend.cached_tail(expert, hidden if parts is not None else reused, ctx,
-                            ((parts,) if parts is not None else ()) + tuple(tail))
+        backend.cached_tail(expert, reused, ctx, ((parts,) if parts is not None else ()) + tuple(tail))
     if isinstance(out, tuple):  # a fused CFG call returns (uncond, cond)
         out = out[1]
     lincomb, x = folding(backend.lincomb), sample.noise

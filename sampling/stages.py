@@ -359,12 +359,12 @@ class Middle(_Stage):
     def blocks_used(self):
         return set(range(self.start, self.stop))
 
-    def begin(self, hidden):
-        """The state a block step carries: hidden, or (hidden, zero sums)."""
+    def begin(self, hidden, ctx):
+        """The state a block step carries: hidden, or (hidden, a zero sum per time gate)."""
         if not self.remodulate:
             return hidden
         zero = torch.zeros_like(hidden, dtype=torch.float32)
-        return (hidden, *(zero for _ in range(2)))
+        return (hidden, *(zero for _ in self.model.time_gates(ctx)))
 
     def block_step(self, i: int, state, ctx):
         if not self.remodulate:
@@ -384,7 +384,7 @@ class Middle(_Stage):
 
     def forward(self, hidden, ctx):
         ctx = self._local_ctx(ctx)
-        state = self.begin(hidden)
+        state = self.begin(hidden, ctx)
         for i in range(self.start, self.stop):
             state = self.block_step(i, state, ctx)
         return self.finish(state, hidden, ctx)

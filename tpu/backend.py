@@ -295,7 +295,7 @@ class JaxBackend:
 
         def forward(stacked, hidden, ctx):
             local = stage._local_ctx(ctx)
-            state = stage.begin(hidden)  # hidden, or what a remodulated middle carries
+            state = stage.begin(hidden, local)  # hidden, or what a remodulated middle carries
             for item in self.middle_blocks:
                 if isinstance(item, scan.Run):
                     state = scan.scan_run(model, item, [stacked[f"model.{k}"] for k in item.keys], state,
