@@ -160,6 +160,12 @@ def test_run_plan_counts_what_the_run_holds(slice_v6e):
     assert plan.schedule["computed_steps"] == 3
     assert math.isclose(s["run_cached"], 3 * 2 * s["full_call"] + 3 * 2 * s["reused_call"])
     assert s["reused_call"] < s["full_call"] and s["speedup"] > 1
+    # the same plan with each program's HBM bound from its HBM traffic (tpu/hbm.py): the
+    # memory-space-aware count never exceeds XLA's bytes accessed
+    t = s["traffic"]
+    assert all(backend.program(n).hbm_bytes <= backend.program(n).bytes_accessed
+               for n in ("probe", "middle", "tail"))
+    assert 0 < t["run_cached"] <= s["run_cached"] and t["full_call"] <= s["full_call"]
 
 
 def _cli(*args):

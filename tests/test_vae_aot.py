@@ -13,6 +13,7 @@ import torch
 
 from sampling.pipelines import get_pipeline
 from tpu import aot, vae_aot
+from tpu.hbm import hbm_traffic
 from tpu.vae import JaxVaeDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     neighbours, and a plan that holds at least the weights and the steady program's own
     temporaries."""
     out = _cli("--model", "wan-tiny-ti2v", "--topology", "v6e:2x2", "--tiny",
-               "--json", str(tmp_path / "r.json"))
+               "--json", str(tmp_path / "r.json"), "--hlo_dir", str(tmp_path / "hlo"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "fits" in out.stdout and "steady" in out.stdout
     report = json.loads((tmp_path / "r.json").read_text())
@@ -45,6 +46,11 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     assert m["fits"] and m["total"] >= m["weights"] + steady["temp_bytes"] and m["weights"] > 0
     assert report["video_shape"][2] == pipe.size[2] and report["tflop"] > 0
     assert report["roofline_seconds"] >= steady["roofline"] * (shape[2] - 1) > 0
+    # HBM traffic (tpu/hbm.py), counted from the program text --hlo_dir wrote
+    text = (tmp_path / "hlo" / "steady.txt").read_text()
+    assert steady["hbm_bytes"] == hbm_traffic(text)
+    assert 0 < steady["hbm_bytes"] <= steady["bytes_accessed"]
+    assert 0 < report["roofline_seconds_traffic"] <= report["roofline_seconds"]
 
 
 def test_command_refuses_bad_input_before_any_compile(capsys):
@@ -54,6 +60,8 @@ def test_command_refuses_bad_input_before_any_compile(capsys):
         (("--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--video_length", "8"),
          "--video_length 8"),
         (("--model", "wan-tiny-s2v", "--topology", "v6e:1x1"), "clip by clip"),
+        (("--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--hlo_dir", "/dev/null/hlo"),
+         "--hlo_dir /dev/null/hlo"),
     ]:
         assert vae_aot.main(list(args)) == 2, args
         assert message in capsys.readouterr().err, args

@@ -366,15 +366,23 @@ class Program:
     bytes_accessed: float
     kernel_flops: float  # splash attention, counted from its shapes (inside `flops`)
     collectives: dict = field(default_factory=dict)
+    # bytes that cross the HBM interface (`tpu.hbm`: memory-space aware; None in a report
+    # written before it was counted). `bytes_accessed` counts VMEM-resident operands too.
+    hbm_bytes: float | None = None
 
     @property
     def ici_bytes(self) -> float:
         return sum(c["received"] for c in self.collectives.values())
 
-    def seconds(self, chip: Chip) -> dict:
-        """Roofline: each bound, and the program's time if it ran at the largest of them."""
+    def seconds(self, chip: Chip, traffic: bool = False) -> dict | None:
+        """Roofline: each bound, and the program's time if it ran at the largest of them.
+        traffic: the HBM bound from `hbm_bytes` (the memory-space-aware count) rather than
+        XLA's bytes accessed; None when the program has no such count."""
+        if traffic and self.hbm_bytes is None:
+            return None
+        hbm = self.hbm_bytes if traffic else self.bytes_accessed
         bounds = {"compute": self.flops / chip.bf16_flops,
-                  "hbm": self.bytes_accessed / chip.hbm_bandwidth,
+                  "hbm": hbm / chip.hbm_bandwidth,
                   "ici": self.ici_bytes / (chip.ici_bandwidth / 2)}  # received: one direction
         return {**bounds, "roofline": max(bounds.values())}
 
@@ -394,12 +402,13 @@ def record(name: str, compiled, seconds: float, *, weight_bytes: int, activation
     kernel_flops = sum(k.flops for k in kernels)  # scaled by loop trips when traced
     hlo = compiled.as_text()
     loop_flops, loop_bytes = loop_costs(hlo)
+    from .hbm import hbm_traffic  # tpu.hbm parses HLO with this module's helpers
+    extra = sum(k.extra_bytes for k in kernels)
     return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,
                    memory.temp_size_in_bytes, weight_bytes, activation_bytes,
                    float(cost.get("flops", 0.0)) + loop_flops + kernel_flops,
-                   float(cost.get("bytes accessed", 0.0)) + loop_bytes
-                   + sum(k.extra_bytes for k in kernels),
-                   kernel_flops, collectives(hlo))
+                   float(cost.get("bytes accessed", 0.0)) + loop_bytes + extra,
+                   kernel_flops, collectives(hlo), hbm_traffic(hlo) + extra)
 
 
 _TORCH_TO_JAX = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16,
@@ -541,12 +550,6 @@ def run_plan(backend: AotBackend, chip: Chip, config: CMConfig, *, steps: int, b
     tail = "cached_tail" if plan.tail_runs else "tail"
     reuse_names = ["probe", "forecast" if plan.forecast else "add", tail]
 
-    def secs(names):
-        return sum(prog(n).seconds(chip)["roofline"] for n in names if prog(n) is not None)
-
-    full, reused = secs(full_names), secs(reuse_names)
-    helper = sum(count * prog(n).seconds(chip)["roofline"] for n, count in helpers.items())
-
     # the leader's schedule: known up front for DeepCache; a given fraction for adaptive gates
     gate_plan = None
     if config.enabled and not config.needs_signals:
@@ -562,15 +565,34 @@ def run_plan(backend: AotBackend, chip: Chip, config: CMConfig, *, steps: int, b
         computed, source = None, "adaptive: give --computed_fraction for a run estimate"
     else:
         computed, source = steps, "caching off"
-    off_run = steps * (branches * (full - (prog("sub").seconds(chip)["roofline"]
-                                           if config.enabled and prog("sub") else 0)) + helper)
-    cached_run = None if computed is None else \
-        computed * branches * full + (steps - computed) * branches * reused + steps * helper
-    seconds = {"full_call": full, "reused_call": reused, "helpers_per_step": helper,
-               "step_uncached": off_run / steps, "run_uncached": off_run,
-               "run_cached": cached_run,
-               "step_cached": None if cached_run is None else cached_run / steps,
-               "speedup": None if not cached_run else off_run / cached_run}
+
+    def timing(traffic: bool) -> dict | None:
+        """The run's roofline seconds, each program's HBM bound from XLA's bytes accessed or
+        (traffic) from its HBM traffic count; None when a program has no such count."""
+        used = [n for n in full_names + reuse_names + list(helpers) if prog(n) is not None]
+        if traffic and any(prog(n).hbm_bytes is None for n in used):
+            return None
+
+        def secs(names):
+            return sum(prog(n).seconds(chip, traffic)["roofline"] for n in names
+                       if prog(n) is not None)
+
+        full, reused = secs(full_names), secs(reuse_names)
+        helper = sum(count * prog(n).seconds(chip, traffic)["roofline"]
+                     for n, count in helpers.items())
+        off_run = steps * (branches * (full - (secs(["sub"]) if config.enabled else 0)) + helper)
+        cached_run = None if computed is None else \
+            computed * branches * full + (steps - computed) * branches * reused + steps * helper
+        return {"full_call": full, "reused_call": reused, "helpers_per_step": helper,
+                "step_uncached": off_run / steps, "run_uncached": off_run,
+                "run_cached": cached_run,
+                "step_cached": None if cached_run is None else cached_run / steps,
+                "speedup": None if not cached_run else off_run / cached_run}
+
+    seconds = timing(False)
+    traffic = timing(True)
+    if traffic is not None:
+        seconds["traffic"] = traffic
     schedule = {"steps": steps, "branches_per_step": branches, "computed_steps": computed,
                 "source": source}
 
@@ -742,6 +764,7 @@ def run(args) -> dict:
     programs = {}
     for p in backend.records.values():
         programs.setdefault(p.name, {**dataclasses.asdict(p), **p.seconds(chip),
+                                     "traffic": p.seconds(chip, traffic=True),
                                      "ici_bytes": p.ici_bytes})
     report = {
         "model": pipe.name, "topology": args.topology, "chip": dataclasses.asdict(chip),
@@ -763,6 +786,10 @@ def run(args) -> dict:
             json.dump(report, f, indent=1, default=str)
         os.replace(args.json + ".tmp", args.json)
     return report
+
+
+def _gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
 
 
 def _gib(n) -> str:
@@ -788,13 +815,15 @@ def format_summary(r: dict) -> str:
         "",
         "per chip, per call  (measured by the compiler; roofline estimated)",
         f"  {'program':12s} {'compile s':>9s} {'args GiB':>9s} {'out GiB':>8s} {'temp GiB':>9s} "
-        f"{'TFLOP':>8s} {'GB acc.':>8s} {'roofline ms':>11s} {'bound':>7s}  collectives",
+        f"{'TFLOP':>8s} {'GB acc.':>8s} {'GB HBM':>7s} {'roofline ms':>11s} {'bound':>7s}  "
+        "collectives",
     ]
     for name, p in r["programs"].items():
         bound = max(("compute", "hbm", "ici"), key=lambda k: p[k])
         lines.append(f"  {name:12s} {p['compile_seconds']:9.1f} {_gib(p['argument_bytes']):>9s} "
                      f"{_gib(p['output_bytes']):>8s} {_gib(p['temp_bytes']):>9s} "
                      f"{p['flops'] / 1e12:8.2f} {p['bytes_accessed'] / 1e9:8.2f} "
+                     f"{_gb(p.get('hbm_bytes')):>7s} "
                      f"{1e3 * p['roofline']:11.2f} {bound:>7s}  {_collectives(p['collectives'])}")
     lines += [
         "",
@@ -828,6 +857,12 @@ def format_summary(r: dict) -> str:
                      f" {s['speedup']:.2f}x")
     elif r["cache"]["modes"]:
         lines.append(f"  cached: {sch['source']}")
+    t = s.get("traffic")
+    if t is not None:
+        lines.append(f"  with HBM traffic as the HBM bound (tpu.hbm): caching off "
+                     f"{t['step_uncached']:.3f} s/step"
+                     + (f", cached {t['step_cached']:.3f} s/step, {t['run_cached']:.1f} s/run"
+                        if t["run_cached"] is not None else ""))
     lines.append(f"compiled {len(r['programs'])} programs in {r['compile_seconds']:.0f} s "
                  f"(wall {r['wall_seconds']:.0f} s)" + (f"; wrote {r['json']}" if r.get("json") else ""))
     return "\n".join(lines)

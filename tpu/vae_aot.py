@@ -60,6 +60,12 @@ def run(args) -> dict:
         raise AotError(f"{pipe.name} decodes clip by clip, each with its motion history in "
                        "front: compile the Wan2.1 VAE's decode of wan2.2-i2v-a14b instead")
     check_writable_file("--json", args.json)
+    if args.hlo_dir:
+        try:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+        except OSError as exc:
+            raise AotError(f"--hlo_dir {args.hlo_dir}: {exc.strerror}; expected a folder this "
+                           "process can create or write") from None
     dtype = DTYPES[args.dtype]
     spec, vae = meta_vae(pipe, dtype, args.tiny)
     chip, devices = topology_devices(args.topology)
@@ -82,9 +88,15 @@ def run(args) -> dict:
         args_bytes = compiled.memory_analysis().argument_size_in_bytes
         programs[name] = record(name, compiled, seconds, weight_bytes=weights,
                                 activation_bytes=max(args_bytes - weights, 0))
+        if args.hlo_dir:  # for `python -m tpu.hbm`: where the program's HBM traffic goes
+            with open(os.path.join(args.hlo_dir, f"{name}.txt"), "w") as f:
+                f.write(compiled.as_text())
     steady_p = programs.get("steady")
     calls = {"first": 1, "steady": frames - 1 if steady_p is not None else 0}
     roofline = sum(calls[n] * p.seconds(chip)["roofline"] for n, p in programs.items())
+    # the same with each program's HBM bound from its HBM traffic (tpu.hbm)
+    traffic = sum(calls[n] * p.seconds(chip, traffic=True)["roofline"]
+                  for n, p in programs.items())
     tflop = sum(calls[n] * p.flops for n, p in programs.items()) / 1e12
     # In flight at the worst call: the weights, that call's carried state and input, its
     # temporaries and outputs (the new state beside the old one: nothing is donated), and the
@@ -102,10 +114,12 @@ def run(args) -> dict:
         "dtype": args.dtype, "size": size,
         "latent_shape": list(latent_shape), "video_shape": list(video),
         "programs": {n: {**p.__dict__, **p.seconds(chip), "ici_bytes": p.ici_bytes,
-                         "calls": calls[n]} for n, p in programs.items()},
+                         "traffic": p.seconds(chip, traffic=True), "calls": calls[n]}
+                     for n, p in programs.items()},
         "memory": {"hbm": chip.hbm_bytes, "weights": weights, "in_flight": peak, "total": total,
                    "headroom": chip.hbm_bytes - total, "fits": total <= chip.hbm_bytes},
-        "tflop": tflop, "roofline_seconds": roofline, "compile_seconds": seconds,
+        "tflop": tflop, "roofline_seconds": roofline, "roofline_seconds_traffic": traffic,
+        "compile_seconds": seconds,
     }
     if args.json:
         with open(args.json + ".tmp", "w") as f:
@@ -121,16 +135,20 @@ def format_summary(r: dict) -> str:
              f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
              f"{r['devices']} of {r['chips']} chips",
              f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
-             f"{'TFLOP':>7s} {'roofline ms':>11s}  collectives"]
+             f"{'TFLOP':>7s} {'GB acc.':>8s} {'GB HBM':>7s} {'roofline ms':>11s} "
+             f"{'(traffic)':>9s}  collectives"]
     for n, p in r["programs"].items():
         coll = ", ".join(f"{k} {v['count']}" for k, v in p["collectives"].items()) or "none"
         lines.append(f"  {n:8s} {p['calls']:5d} {p['argument_bytes'] / gib:8.2f} "
                      f"{p['temp_bytes'] / gib:8.2f} {p['output_bytes'] / gib:8.2f} "
-                     f"{p['flops'] / 1e12:7.2f} {1e3 * p['roofline']:11.2f}  {coll}")
+                     f"{p['flops'] / 1e12:7.2f} {p['bytes_accessed'] / 1e9:8.2f} "
+                     f"{p['hbm_bytes'] / 1e9:7.2f} {1e3 * p['roofline']:11.2f} "
+                     f"{1e3 * p['traffic']['roofline']:9.2f}  {coll}")
     lines.append(f"  per chip: {m['total'] / gib:.2f} GiB of {m['hbm'] / gib:.2f} "
                  f"({'fits' if m['fits'] else 'DOES NOT FIT'}; weights {m['weights'] / gib:.2f}, "
                  f"in flight {m['in_flight'] / gib:.2f}); {r['tflop']:.1f} TFLOP; roofline "
-                 f"{r['roofline_seconds']:.2f} s; compiled in {r['compile_seconds']:.0f} s")
+                 f"{r['roofline_seconds']:.2f} s ({r['roofline_seconds_traffic']:.2f} s with HBM "
+                 f"traffic); compiled in {r['compile_seconds']:.0f} s")
     return "\n".join(lines)
 
 
@@ -147,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="the tiny VAE of stage 3's random-weight "
                    "decode instead of the released size (a quick check of the compile path)")
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--hlo_dir", default=None, help="write each program's optimized HLO text "
+                   "here (first.txt, steady.txt; `python -m tpu.hbm` reads them)")
     return p
 
 
