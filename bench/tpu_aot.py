@@ -65,6 +65,21 @@ DECODE_ROWS = [
     ("vae-hy15-720p-v5p4", "--model hunyuanvideo-1.5-720p_t2v --topology v5p:2x2x1", "hy15-720p-v5p4"),
 ]
 DECODE_SHARE = 0.10  # the decode's roofline against the stage-2 run's, at most
+DECODE_TRAFFIC = (
+    "Where the Wan2.2 TI2V-5B decode's HBM traffic goes (`python -m tpu.vae_aot --model "
+    "wan2.2-ti2v-5b --topology v6e:2x4 --hlo_dir D`, then `python -m tpu.hbm D/steady.txt`): "
+    "30.4 GB per steady call per chip in fp32. Loop fusions (the RMS norms, residual adds, the "
+    "convolutions' input halos, the upsamplers) 10.0 GB (33%), layout copies 8.3 GB (27%), the "
+    "convolution fusions 6.3 GB (21%), pads 1.8 GB (6%), the memory-space copies and slices "
+    "2.3 GB (8%). XLA runs each 3-D convolution with the frame's width as "
+    "8 batches of 11 output columns (13 input columns with their halo), so every convolution's "
+    "input is padded and relaid out, and its output copied back to the layout of the norm that "
+    "reads it. That is not the column split: on 256 x 1280, split by rows (the width whole on "
+    "each chip) a steady call moves 9.05 GB and split by columns 8.58 GB, with the same 8-way "
+    "batches. Nor does folding the width taps into channels remove it (11.33 GB by rows), or "
+    "libtpu's xla_tpu_run_space_to_batch=false (the same program at 192 x 1280). The "
+    "fp32 decode stays about 1.5x over the goal on both counts (15.2% by bytes accessed, 14.5% by "
+    "traffic); the bf16 one meets it by traffic (8.8%).")
 CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
 V5_BLOCKS = ("v5e and v5p compile splash with 1024-row query blocks (tpu/attention.py "
              "BLOCKS_BY_KIND): the stock 2048-row blocks ask 17.5 MiB (v5e) and 21.6 MiB (v5p) "
@@ -104,15 +119,28 @@ def decode_line(r: dict, stage2: dict | None) -> str:
         run2, share = "no report", "-"
     else:
         run2 = f"{stage2['seconds']['run_cached']:.1f}"
-        frac = r["roofline_seconds"] / stage2["seconds"]["run_cached"]
-        share = f"{frac:.1%} ({'met' if frac <= DECODE_SHARE else 'NOT met'})"
+        share = _share(r["roofline_seconds"], stage2["seconds"]["run_cached"])
+    # the same with every program's HBM bound from its HBM traffic (tpu.hbm), both stages
+    traffic2 = (stage2 or {}).get("seconds", {}).get("traffic")
+    if r.get("roofline_seconds_traffic") is None:
+        t_roof, t_share = "-", "not counted"
+    else:
+        t_roof = f"{r['roofline_seconds_traffic']:.2f}"
+        t_share = "stage 2 not counted" if traffic2 is None else \
+            f"{_share(r['roofline_seconds_traffic'], traffic2['run_cached'])} of " \
+            f"{traffic2['run_cached']:.1f} s"
     return (f"| {r['model']} ({r['vae']}, {r['dtype']}) | {r['topology']} ({chip['name']}) | "
             f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}) | "
             f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
             f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
             f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "
             f"({max(('compute', 'hbm', 'ici'), key=lambda k: steady.get(k, 0))}) | "
-            f"{r['roofline_seconds']:.2f} | {run2} | {share} |")
+            f"{r['roofline_seconds']:.2f} | {run2} | {share} | {t_roof} | {t_share} |")
+
+
+def _share(decode: float, stage2: float) -> str:
+    frac = decode / stage2
+    return f"{frac:.1%} ({'met' if frac <= DECODE_SHARE else 'NOT met'})"
 
 
 def decode_lines(only, rerun: bool) -> list[str]:
@@ -130,11 +158,13 @@ def decode_lines(only, rerun: bool) -> list[str]:
         "TFLOP of the whole clip, the steady program's roofline (its bound), the clip's roofline",
         "(first + steady per further latent frame), and its share of the stage-2 run's roofline",
         f"with the default cache schedule (the table above); the goal is at most {DECODE_SHARE:.0%}.",
+        "The last two columns take each program's HBM bound from its HBM traffic instead (both",
+        "stages; see below the table).",
         "",
         "| decode | slice | chips used (split) | video (frames x H x W) | fits (GiB left) | GiB per "
         "chip | compile s | TFLOP per chip | steady ms (bound) | roofline s | stage-2 run s, cached "
-        "| share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| share | roofline s, HBM traffic | share, HBM traffic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     missing = []
     for name, row_args, stage2_name in DECODE_ROWS:
@@ -148,9 +178,11 @@ def decode_lines(only, rerun: bool) -> list[str]:
             report = run_row(name, row_args, rerun, "tpu.vae_aot")
         s2 = OUT / f"{stage2_name}.json"
         lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
-    lines += ["", "Compile seconds: on this 2-core machine beside other jobs (load average 5-8). The "
-              "reports compiled before tpu.vae placed the decoder's weights alone count the "
-              "encoder's too in GiB per chip (Wan2.2 VAE: 2.63 GiB where the decode reads 2.02)."]
+    lines += ["", "Compile seconds: on this 2-core machine. The Wan2.2 rows were compiled on "
+              "2026-11-26, alone or beside one other compile (the TI2V-5B v6e fp32 and bf16 rows "
+              "867 and 1093 s, against 2573 and 5298 s beside other jobs before); the "
+              "HunyuanVideo-1.5 row beside other jobs (load average 5-8). That older report "
+              "counts the encoder's weights too in GiB per chip.", "", DECODE_TRAFFIC]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--decode_only --only {','.join(missing)}` adds them."]
@@ -180,7 +212,13 @@ def row_line(name: str, args: str, r: dict) -> str:
             f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} | {m['total'] / GiB:.1f} "
             f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {flops_step:.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
-            f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) |")
+            f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) | {_traffic_cell(s.get('traffic'))} |")
+
+
+def _traffic_cell(t: dict | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t['step_uncached']:.2f} off, {t['step_cached']:.2f} cached ({t['speedup']:.2f}x)"
 
 
 def main():
@@ -206,6 +244,16 @@ def main():
         "bf16, bytes / HBM bandwidth, received collective bytes / half the bidirectional ICI",
         "bandwidth). Real steps run slower than the roofline by the kernels' efficiency.",
         "",
+        "HBM traffic (`tpu/hbm.py`, the last column): XLA's bytes accessed add up every operand and",
+        "result of every instruction, wherever it lives; on a TPU the compiler's memory-space",
+        "assignment keeps many buffers in the chip's VMEM (layouts marked `S(1)`) and moves them",
+        "with explicit asynchronous copies, which that count adds again. The traffic count takes",
+        "what crosses the HBM interface: operands and results in memory space 0, a slice as its",
+        "result, the copies by their HBM side, a loop body once per iteration, plus the splash",
+        "kernel's K/V re-reads. It is a model too (a fusion reads each HBM operand once, VMEM is",
+        "free), so the bytes-accessed roofline stays beside it as the conservative figure. Rows",
+        "compiled before the count existed show `-`.",
+        "",
         "Compile s: the whole run's programs, the middle program's in brackets. `a -> b`: a with the",
         "middle stage's blocks unrolled (the reports kept under `tpu_aot/unrolled/`; `python -m",
         "tpu.aot ... --unrolled` compiles that way), b with each run of identical blocks as one",
@@ -216,14 +264,18 @@ def main():
         "load average about 2 from the compile itself); middle programs: hy15-720p-v6e8 352.8 ->",
         "60.1 s (5.9x), hy15-720p-v6e8-replicated 249.6 -> 67.1 s (3.7x), hy15-480p-49f-v6e1",
         "182.6 -> 44.7 s (4.1x), ti2v5b-v6e8 154.9 -> 43.9 s (3.5x), a14b-v6e8 146.3 -> 47.5 s",
-        "(3.1x), a14b-v6e8-swap 173.3 -> 65.8 s (2.6x); flops equal, HBM per chip equal or lower",
+        "(3.1x), a14b-v6e8-swap 173.3 -> 65.8 s (2.6x). ti2v5b-v6e8 and a14b-v6e8 were compiled",
+        "scanned again later that day, idle too, to count their HBM traffic: 56.3 and 71.7 s (the",
+        "table's figures), so two idle compiles of one program differ by up to half; the speedup",
+        "of the scan is the larger effect. Flops equal, HBM per chip equal or lower",
         "(the scan's temporaries are one block's: hy15-720p-v6e8 6.1 -> 4.2 GiB). One cost: where",
         "the middle is HBM-bound (hy15-480p-49f-v6e1, one chip, replicated weights) the scanned",
         "middle accesses 773 GB a call against 693 GB unrolled, 0.96 against 0.87 s/step.",
         "",
         "| pipeline | slice (chip HBM) | sp | weights | fits (GiB left) | GiB per chip | compile s (middle) "
-        "| TFLOP/step/chip | roofline s/step, off | computed steps | roofline s/step, cached |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TFLOP/step/chip | roofline s/step, off | computed steps | roofline s/step, cached "
+        "| roofline s/step, HBM traffic |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     only = None if args.only is None else set(args.only.split(","))
     unknown = (only or set()) - {name for name, _ in ROWS} - {name for name, *_ in DECODE_ROWS}
