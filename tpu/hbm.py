@@ -25,12 +25,10 @@ import math
 import re
 import sys
 
-from .aot import computations, loops
+from .aot import _ARRAY, _BITS, computations, loops
 
-_LEAF = re.compile(r"\b(pred|[su](?:4|8|16|32|64)|bf16|f16|f32|f64|c64|c128|f8e4m3fn|f8e5m2)"
-                   r"\[([\d,]*)\](\{[^}]*\})?")
-_BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
-         "f8e4m3fn": 8, "f8e5m2": 8}
+# an array's shape with its layout, which names a memory space other than HBM as S(n)
+_LEAF = re.compile(_ARRAY.pattern + r"(\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
          "partition-id", "replica-id", "while", "conditional", "call", "copy-done", "slice-done",
@@ -40,7 +38,7 @@ _SLICES = {"slice", "dynamic-slice"}
 
 
 def _bits(dtype: str) -> int:
-    return _BITS.get(dtype) or int(re.sub(r"\D", "", dtype))
+    return _BITS.get(dtype) or int(dtype[1:])
 
 
 def leaves(shape: str) -> list[tuple[int, int]]:
