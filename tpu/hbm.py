@@ -25,7 +25,7 @@ import math
 import re
 import sys
 
-from .aot import _ARRAY, _BITS, computations, loops
+from .aot import _ARRAY, _BITS, computations, loops, multipliers
 
 # an array's shape with its layout, which names a memory space other than HBM as S(n)
 _LEAF = re.compile(_ARRAY.pattern + r"(\{[^}]*\})?")
@@ -52,7 +52,13 @@ def leaves(shape: str) -> list[tuple[int, int]]:
 
 
 def _hbm(shape: str) -> int:
+    """Bytes of a shape's arrays that live in HBM."""
     return sum(b for b, space in leaves(shape) if space == 0)
+
+
+def _size(shape: str) -> int:
+    """Bytes of a shape's arrays, wherever they live."""
+    return sum(b for b, _ in leaves(shape))
 
 
 def _balanced(text: str, start: int) -> int:
@@ -98,11 +104,12 @@ def _fusion_reads(lines: list[str]) -> tuple[dict[int, int | None], int | None]:
     """Of a fused computation: parameter index -> the bytes a call reads of it when it only
     feeds slices (else None: all of it), and the bytes written when its root updates a
     parameter in place (a dynamic-update-slice: only the update is written)."""
-    parsed = [p for p in map(instruction, lines) if p]
-    params, shapes, users = {}, {}, {}
-    root = None
-    for line, p in zip([ln for ln in lines if instruction(ln)], parsed, strict=True):
-        name, shape, op, operands, attrs = p
+    params, shapes, users, root = {}, {}, {}, None
+    for line in lines:
+        p = instruction(line)
+        if p is None:
+            continue
+        name, shape, op, operands, _ = p
         shapes[name] = shape
         if op == "parameter":
             params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
@@ -113,14 +120,12 @@ def _fusion_reads(lines: list[str]) -> tuple[dict[int, int | None], int | None]:
     reads = {}
     for name, index in params.items():
         use = users.get(name, [])
-        if use and all(op in _SLICES and position == 0 for op, _, position in use):
-            reads[index] = sum(sum(b for b, _ in leaves(s)) for _, s, _ in use)
-        else:
-            reads[index] = None
+        only_sliced = use and all(op in _SLICES and position == 0 for op, _, position in use)
+        reads[index] = sum(_size(s) for _, s, _ in use) if only_sliced else None
     written = None
     if root is not None and root[2] == "dynamic-update-slice" and root[3][0] in params:
         reads[params[root[3][0]]] = 0  # updated in place: the rest is never read
-        written = sum(b for b, _ in leaves(shapes.get(root[3][1], "")))
+        written = _size(shapes.get(root[3][1], ""))
     return reads, written
 
 
@@ -136,20 +141,17 @@ def breakdown(hlo: str) -> collections.Counter:
     comps, entry = computations(hlo)
     if entry is None:
         return total
-    times = {entry: 1}
-    order = [entry]
-    found = loops(hlo)
-    for name in order:  # the sequential computations: the entry and the bodies of its whiles
-        for body, trips in found.get(name, ()):
-            times[body] = times.get(body, 0) + times[name] * trips
-            order.append(body)
-        for line in comps[name]:
-            m = re.search(r"branch_computations=\{([^}]*)\}", line)
-            for branch in re.findall(r"%?([\w.\-]+)", m.group(1)) if m else ():
-                times.setdefault(branch, times[name])
-                order.append(branch)
+    times = multipliers(hlo)
+    # the sequential computations: the entry, its whiles' bodies and its conditionals' branches
+    # (not the fused and reducer computations, whose work their caller's instruction is)
+    sequential = [entry] + [body for whiles in loops(hlo).values() for body, _ in whiles]
+    for line in (ln for lines in comps.values() for ln in lines):
+        m = re.search(r"branch_computations=\{([^}]*)\}", line)
+        sequential += re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
     fusions: dict[str, tuple] = {}
-    for name in dict.fromkeys(order):
+    for name in dict.fromkeys(sequential):
+        if name not in times:  # a loop of a computation the entry never calls
+            continue
         shapes = {}
         for line in comps.get(name, ()):
             p = instruction(line)
@@ -160,12 +162,11 @@ def breakdown(hlo: str) -> collections.Counter:
             if op in _FREE:
                 continue
             if op in ("copy-start", "slice-start"):
-                # result: (operand, destination, context); the copy reads and writes its size
-                parts = _top_level(shape)
-                moved = sum(b for b, _ in leaves(parts[1])) if len(parts) > 1 else 0
-                sides = [leaves(parts[0])[0][1] if leaves(parts[0]) else 0,
-                         leaves(parts[1])[0][1] if len(parts) > 1 and leaves(parts[1]) else 0]
-                total[op] += times[name] * moved * sides.count(0)
+                # result: (source, destination, context); the copy moves the destination's
+                # size out of its source and into the destination, whichever is in HBM
+                source, destination = (leaves(part) for part in _top_level(shape)[:2])
+                sides = [source[0][1], destination[0][1]]
+                total[op] += times[name] * destination[0][0] * sides.count(0)
                 continue
             if op.endswith("-start"):  # async collectives: (operands, results, ...)
                 parts = _top_level(shape)
@@ -174,13 +175,13 @@ def breakdown(hlo: str) -> collections.Counter:
             if op in _SLICES:
                 out = _hbm(shape)
                 src = _hbm(shapes.get(operands[0], "")) if operands else 0
-                total[op] += times[name] * (out + (sum(b for b, _ in leaves(shape)) if src else 0))
+                total[op] += times[name] * (out + (_size(shape) if src else 0))
                 continue
             if op == "dynamic-update-slice":
                 update = leaves(shapes.get(operands[1], "")) if len(operands) > 1 else []
                 size = sum(b for b, _ in update)
                 target = _hbm(shapes.get(operands[0], ""))
-                total[op] += times[name] * (2 * size if target else
+                total[op] += times[name] * (2 * size if target else  # in place: read, written
                                         sum(b for b, s in update if s == 0))
                 continue
             reads, written = {}, None
