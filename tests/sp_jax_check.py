@@ -43,6 +43,10 @@ CASES = [("teacache", 2, 1, "replicated"), ("both", 4, 1, "replicated"), ("both"
 # frames), 7 divides nothing (padded shards, gathered K/V; nor any weight, so FSDP would leave
 # every weight whole: replicated says so)
 EXTRA_CASES = {"hunyuanvideo-tiny": [("teacache", 3, 1, "fsdp"), ("teacache", 7, 1, "replicated")]}
+# wan-tiny-s2v is wan-tiny-i2v's transformer with audio and motion frames in front: the shapes
+# and configs above run on wan-tiny-i2v; for S2V the two counted runs and CFG parallel suffice
+FAMILY_CASES = {"wan-tiny-s2v": [("both", 4, 1, "replicated"), ("both", 4, 1, "fsdp"),
+                                 ("both", 4, 2, "replicated")]}
 COUNTED = {"replicated": ("both", 4, 1, "replicated"), "fsdp": ("both", 4, 1, "fsdp")}
 STEPS = 10
 COLLECTIVE = re.compile(r"\b(all-reduce|all-to-all|all-gather|collective-permute|reduce-scatter)"
@@ -75,7 +79,7 @@ def main(name: str):
         return sample, backend.get(traj.latents), trace, traj.loop_compiles.lowered
 
     facts, baselines, one_device, kept = {"cases": []}, {}, {}, {}
-    for case in CASES + EXTRA_CASES.get(name, []):
+    for case in FAMILY_CASES.get(name, CASES) + EXTRA_CASES.get(name, []):
         cname, sp, cfg, weights = case
         mode = "fused" if cfg > 1 else "cond_authoritative"
         config = CMConfig(**CONFIGS[cname], cfg_mode=mode)
