@@ -38,6 +38,9 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     pipe = get_pipeline("wan-tiny-ti2v")
     shape = pipe.latent_shape(*pipe.size)
     assert (report["devices"], report["split"]) == (4, "rows")
+    # float32 on a TPU: the convs' operands rounded to bf16 in the program (tpu.vae)
+    assert (report["dtype"], report["conv_operands"]) == ("fp32", "bf16")
+    assert "fp32, conv operands bf16" in out.stdout
     first, steady = report["programs"]["first"], report["programs"]["steady"]
     assert (first["calls"], steady["calls"]) == (1, shape[2] - 1)
     assert "collective-permute" in steady["collectives"]

@@ -21,6 +21,13 @@ loop calls the compiled executables, so it can compile nothing.
         clips of 1-8 latent frames share programs, 9-16 the next pair, ...), masked by frame.
     PixelLatents (the pixel-space tiny model): the clamp, one program of the whole clip.
 
+Convolution operands (`conv_operands`): a TPU computes a float32 convolution at XLA's DEFAULT
+precision in one bfloat16 pass (operands rounded to bfloat16, products summed in float32). On a
+TPU the Wan decoders state that rounding in the program: each conv's input and weight are
+rounded where they are made, so the weights, the carried causal caches (only convs read them)
+and every pad and relayout in front of a conv move half the bytes, and the numbers are the ones
+the float32 program gives there. Elsewhere (CPU, GPU) convs stay float32 as stored.
+
 On a mesh of several devices (1-D, axis "s") the latent frame, every cached frame and the video
 are split by rows, or by columns where the rows do not divide (`split_plan`), the weights
 replicated, and XLA partitions the convolutions (GSPMD: each 3x3 conv exchanges a line of halo
@@ -104,17 +111,60 @@ class _Decode(torch.nn.Module):
 
 # --- Wan: diffusers' feat_cache, made fixed-shape ---------------------------------------------
 
-def _wan_conv(m, x, cache_x=None):
+def conv_operand_dtype(dtype: torch.dtype, platform: str) -> torch.dtype | None:
+    """The dtype a decoder of `dtype` rounds its conv operands to on `platform` (a jax device's
+    platform), or None for as stored: bfloat16 for float32 on a TPU, where XLA's DEFAULT
+    precision computes a float32 conv from bfloat16 operands anyway."""
+    return torch.bfloat16 if dtype == torch.float32 and platform == "tpu" else None
+
+
+def _conv(x, weight, bias, stride, padding, dilation, groups, operands=None):
+    """F.conv2d/conv3d (zero padding `padding` per spatial dim); with `operands`, input and
+    weight rounded to that dtype and the products summed into float32, as a TPU's DEFAULT
+    precision does for a float32 conv (a torch conv of bfloat16 tensors would round its
+    result to bfloat16 too)."""
+    if operands is None:
+        conv = F.conv3d if x.ndim == 5 else F.conv2d
+        return conv(x, weight, bias, stride, padding, dilation, groups)
+    from torchax.interop import call_jax
+
+    dims = x.ndim - 2
+    layout = ("NCDHW", "OIDHW", "NCDHW") if dims == 3 else ("NCHW", "OIHW", "NCHW")
+    dt = jax.numpy.dtype(str(operands).removeprefix("torch."))
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(
+            x.astype(dt), w.astype(dt), tuple(stride), [(p, p) for p in padding],
+            rhs_dilation=tuple(dilation), dimension_numbers=layout, feature_group_count=groups,
+            preferred_element_type=jax.numpy.float32)
+
+    y = call_jax(conv, x.to(operands), weight)
+    return y if bias is None else y + bias.float().reshape(1, -1, *[1] * dims)
+
+
+def _wan_conv(m, x, cache_x=None, operands=None):
     """WanCausalConv3d.forward with its spatial zero padding left to the convolution: the
     same numbers, but on rows split over devices XLA then exchanges a one-row halo, where a
     separate pad of the split axis shifts every row to another device first (measured: 3
-    collective-permutes per conv, two of them of most of a shard, against 2 of one row)."""
+    collective-permutes per conv, two of them of most of a shard, against 2 of one row).
+    operands: see `_conv`; the input is rounded before the cache goes in front and the time
+    padding, so those move rounded values."""
     pw, _, ph, _, pt, _ = m._padding
+    if operands is not None:
+        x = x.to(operands)
     if cache_x is not None and pt > 0:
-        x = torch.cat([cache_x.to(x.device), x], dim=2)
+        x = torch.cat([cache_x.to(device=x.device, dtype=x.dtype), x], dim=2)
         pt -= cache_x.shape[2]
     x = F.pad(x, (0, 0, 0, 0, pt, 0))
-    return F.conv3d(x, m.weight, m.bias, m.stride, (0, ph, pw), m.dilation, m.groups)
+    return _conv(x, m.weight, m.bias, m.stride, (0, ph, pw), m.dilation, m.groups, operands)
+
+
+def _conv2d(m, x, operands=None):
+    """nn.Conv2d (the 2-D upsamplers' convs, the mid-block attention's projections) through
+    `_conv`; one `_conv` cannot express (a padding mode or "same") as its own forward."""
+    if m.padding_mode != "zeros" or isinstance(m.padding, str):
+        return type(m).forward(m, x.to(m.weight.dtype))
+    return _conv(x, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups, operands)
 
 
 def _wan_upsample(m, x):
@@ -127,13 +177,29 @@ def _wan_upsample(m, x):
 
 
 @contextlib.contextmanager
-def _wan_routes(vae):
-    """The decoder's causal convs and upsamplers routed through `_wan_conv`/`_wan_upsample`."""
+def _wan_routes(vae, operands=None):
+    """The decoder's causal convs and upsamplers routed through `_wan_conv`/`_wan_upsample`,
+    and with `operands` its 2-D convs through `_conv2d` (the post-quant conv is a causal conv
+    outside the decoder)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanUpsample
 
-    routes = {WanCausalConv3d: _wan_conv, WanUpsample: _wan_upsample}
-    with _routed(vae.decoder, routes):
+    routes = {WanCausalConv3d: lambda m, x, cache_x=None: _wan_conv(m, x, cache_x, operands),
+              WanUpsample: _wan_upsample}
+    if operands is not None:
+        routes[torch.nn.Conv2d] = lambda m, x: _conv2d(m, x, operands)
+    with _routed(vae.decoder, routes), _routed(vae.post_quant_conv, routes):
         yield
+
+
+def _conv_weights(vae) -> set[str]:
+    """The names (in `_Decode`'s "vae.*" terms) of the weights `_wan_routes` convolves with
+    rounded operands: they can be stored rounded."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    return {".".join(filter(None, ("vae", part, name, "weight")))
+            for part in ("decoder", "post_quant_conv")
+            for name, m in getattr(vae, part).named_modules()
+            if isinstance(m, (WanCausalConv3d, torch.nn.Conv2d))}
 
 
 @contextlib.contextmanager
@@ -153,8 +219,9 @@ def _routed(module, routes: dict):
             del m.forward
 
 
-def _wan_first(vae, z):
-    """Latent frame 0 -> (video frame 0, the cache in steady shapes)."""
+def _wan_first(vae, z, operands=None):
+    """Latent frame 0 -> (video frame 0, the cache in steady shapes; with `operands`, in that
+    dtype: only convs read it, and they round it anyway)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
 
     rep_inputs = []  # the input of each 3-D upsampler, in call order ("Rep" in the cache)
@@ -162,7 +229,7 @@ def _wan_first(vae, z):
              for m in vae.decoder.modules() if isinstance(m, WanResample) and m.mode == "upsample3d"]
     try:
         cache = [None] * vae._cached_conv_counts["decoder"]
-        with _wan_routes(vae):
+        with _wan_routes(vae, operands):
             out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0],
                               first_chunk=True)
     finally:
@@ -177,15 +244,20 @@ def _wan_first(vae, z):
         elif entry is not None and entry.shape[2] < 2:
             entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
         state.append(entry)
-    return _wan_video(vae, out), state
+    return _wan_video(vae, out), _stored(state, operands)
 
 
-def _wan_steady(vae, z, state):
+def _wan_steady(vae, z, state, operands=None):
     """Latent frame i > 0 with the cache of frame i - 1 -> (4 video frames, the next cache)."""
     cache = list(state)
-    with _wan_routes(vae):
+    with _wan_routes(vae, operands):
         out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0])
-    return _wan_video(vae, out), cache
+    return _wan_video(vae, out), _stored(cache, operands)
+
+
+def _stored(state, operands):
+    return state if operands is None else [
+        s.to(operands) if isinstance(s, torch.Tensor) else s for s in state]
 
 
 def _wan_video(vae, out):
@@ -309,9 +381,12 @@ class JaxVaeDecoder:
     abstract: hold the weights as shapes only (a VAE built on the meta device, a mesh of
     compile-only TPU devices): `prepare` then compiles for that slice and nothing can run
     (`tpu.vae_aot`).
+    conv_operands: the dtype the Wan decoders round conv operands to (see the module's doc),
+    None for as stored; "auto": `conv_operand_dtype` for the mesh's platform.
     """
 
-    def __init__(self, vae, mesh: Mesh | None = None, *, abstract: bool = False):
+    def __init__(self, vae, mesh: Mesh | None = None, *, abstract: bool = False,
+                 conv_operands: torch.dtype | None | str = "auto"):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         self.family = family(vae)
@@ -322,15 +397,26 @@ class JaxVaeDecoder:
                              "or more)")
         self.module = _Decode(vae)
         self.dtype = next(iter(vae.parameters()), torch.zeros(())).dtype
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]).platform
+        if conv_operands == "auto":
+            conv_operands = conv_operand_dtype(self.dtype, platform) \
+                if self.family == "wan" else None
+        elif conv_operands is not None and self.family != "wan":
+            raise ValueError(f"conv_operands rounds the Wan decoders' convs; {type(vae).__name__}"
+                             " convolves as stored (expected conv_operands=None or 'auto')")
+        self.operands = conv_operands
+        rounded = _conv_weights(vae) if conv_operands is not None else set()
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         # the decoder's side only: the encoder's weights (a third of the Wan2.2 VAE's) would sit
         # on every device unused
-        self.params = {name: self._put(t, self._replicated()) for name, t in tensors.items()
-                       if not name.startswith(_ENCODER)}
+        self.params = {name: self._put(t.to(conv_operands) if name in rounded else t,
+                                       self._replicated())
+                       for name, t in tensors.items() if not name.startswith(_ENCODER)}
         devices = tuple((d.platform, d.device_kind, d.id) for d in mesh.devices.flat) \
             if mesh is not None else None
         config = sorted((k, repr(v)) for k, v in dict(getattr(vae, "config", {})).items())
-        self._arch = (type(vae).__name__, tuple(config), str(self.dtype), devices)
+        self._arch = (type(vae).__name__, tuple(config), str(self.dtype), str(conv_operands),
+                      devices)
         # (latent shape of one frame, kv_frames) -> (first, steady)
         self._programs = _COMPILED.setdefault(self._arch, {})
 
@@ -397,12 +483,14 @@ class JaxVaeDecoder:
             return self._programs[key]
         z = jax.ShapeDtypeStruct((b, c, 1, h, w), dt, sharding=self._rows())
         if self.family == "wan":
+            operands = self.operands
+
             def first_fn(vae, z):
-                out, state = _wan_first(vae, z)
+                out, state = _wan_first(vae, z, operands)
                 return out.float(), state
 
             def steady_fn(vae, z, state):
-                out, state = _wan_steady(vae, z, state)
+                out, state = _wan_steady(vae, z, state, operands)
                 return out.float(), state
         else:
             def first_fn(vae, z):

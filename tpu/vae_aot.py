@@ -111,7 +111,9 @@ def run(args) -> dict:
         "chip": {k: getattr(chip, k) for k in ("name", "hbm_bytes", "bf16_flops", "hbm_bandwidth",
                                                 "ici_bandwidth")},
         "devices": rows, "split": "rows" if split == ROWS else "columns", "chips": len(devices),
-        "dtype": args.dtype, "size": size,
+        "dtype": args.dtype,
+        "conv_operands": "bf16" if decoder.operands == torch.bfloat16 else args.dtype,
+        "size": size,
         "latent_shape": list(latent_shape), "video_shape": list(video),
         "programs": {n: {**p.__dict__, **p.seconds(chip), "ici_bytes": p.ici_bytes,
                          "traffic": p.seconds(chip, traffic=True), "calls": calls[n]}
@@ -131,7 +133,9 @@ def run(args) -> dict:
 def format_summary(r: dict) -> str:
     gib = 2**30
     m = r["memory"]
-    lines = [f"{r['model']} decode ({r['vae']}, {r['dtype']}) on {r['topology']}: latents "
+    ops = r.get("conv_operands", r["dtype"])
+    dtype = r["dtype"] + (f", conv operands {ops}" if ops != r["dtype"] else "")
+    lines = [f"{r['model']} decode ({r['vae']}, {dtype}) on {r['topology']}: latents "
              f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
              f"{r['devices']} of {r['chips']} chips",
              f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
