@@ -66,20 +66,34 @@ DECODE_ROWS = [
 ]
 DECODE_SHARE = 0.10  # the decode's roofline against the stage-2 run's, at most
 DECODE_TRAFFIC = (
-    "Where the Wan2.2 TI2V-5B decode's HBM traffic goes (`python -m tpu.vae_aot --model "
+    "On a TPU the fp32 Wan decoders round each convolution's input and weight to bf16 in the "
+    "program and sum in fp32 (`tpu.vae.conv_operand_dtype`): what the TPU's DEFAULT precision "
+    "does to an fp32 convolution anyway, stated where the operands are made, so the weights, the "
+    "carried caches and every pad and relayout in front of a convolution move half the bytes. "
+    "Rows whose decode cell says \"bf16 conv operands\" were compiled so; the other fp32 rows "
+    "before (the TI2V-5B v6e-8 row moved from 4.80 to 3.25 GiB per chip, 0.83 to 0.75 s by bytes "
+    "accessed and 0.56 to 0.44 s by traffic: 15.2% to 13.6% and 14.5% to 11.3% of the stage-2 "
+    "run). Where the TI2V-5B decode's HBM traffic goes (`python -m tpu.vae_aot --model "
     "wan2.2-ti2v-5b --topology v6e:2x4 --hlo_dir D`, then `python -m tpu.hbm D/steady.txt`): "
-    "30.4 GB per steady call per chip in fp32. Loop fusions (the RMS norms, residual adds, the "
-    "convolutions' input halos, the upsamplers) 10.0 GB (33%), layout copies 8.3 GB (27%), the "
-    "convolution fusions 6.3 GB (21%), pads 1.8 GB (6%), the memory-space copies and slices "
-    "2.3 GB (8%). XLA runs each 3-D convolution with the frame's width as "
-    "8 batches of 11 output columns (13 input columns with their halo), so every convolution's "
-    "input is padded and relaid out, and its output copied back to the layout of the norm that "
-    "reads it. That is not the column split: on 256 x 1280, split by rows (the width whole on "
-    "each chip) a steady call moves 9.05 GB and split by columns 8.58 GB, with the same 8-way "
-    "batches. Nor does folding the width taps into channels remove it (11.33 GB by rows), or "
-    "libtpu's xla_tpu_run_space_to_batch=false (the same program at 192 x 1280). The "
-    "fp32 decode stays about 1.5x over the goal on both counts (15.2% by bytes accessed, 14.5% by "
-    "traffic); the bf16 one meets it by traffic (8.8%).")
+    "30.4 GB per steady call per chip with fp32 operands, 23.8 GB with bf16 ones. With fp32 "
+    "operands: loop fusions (the RMS norms, residual adds, the convolutions' input halos, the "
+    "upsamplers) 10.0 GB (33%), layout copies 8.3 GB (27%), the convolution fusions 6.3 GB (21%), "
+    "pads 1.8 GB (6%), the memory-space copies and slices 2.3 GB (8%). XLA runs each 3-D "
+    "convolution with the frame's width as 8 batches of 11 output columns (13 input columns with "
+    "their halo), so every convolution's input is padded and relaid out, and its output (fp32, "
+    "whatever the operands) copied back to the layout of the norm that reads it: the copies stay "
+    "7.1 GB with bf16 operands. That is not the column split: on 256 x 1280, split by rows (the "
+    "width whole on each chip) a steady call moves 9.05 GB and split by columns 8.58 GB, with the "
+    "same 8-way batches. Nor does folding the width taps into channels remove it (11.33 GB by "
+    "rows). The batches are libtpu's space-to-batch pass: with both "
+    "xla_tpu_run_space_to_batch=false and xla_tpu_run_space_to_batch_on_new_platforms=false "
+    "(either alone leaves the program as it was) one such convolution alone (256 channels, 4 "
+    "frames of 352 x 640 split by columns over v6e-8, bf16 operands) moves 0.44 GB instead of "
+    "1.32 GB, but compiles in 378 s instead of 28 s, and the whole decode (both programs) "
+    "had not compiled after 43 minutes when it was stopped (748 s with the pass). Whether a "
+    "TPU runs the unbatched convolution faster the "
+    "roofline cannot say (the pass exists to fill the matrix unit when the batch is 1): that "
+    "and the fp32 TI2V-5B decode's share stay to be measured on a slice.")
 CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
 V5_BLOCKS = ("v5e and v5p compile splash with 1024-row query blocks (tpu/attention.py "
              "BLOCKS_BY_KIND): the stock 2048-row blocks ask 17.5 MiB (v5e) and 21.6 MiB (v5p) "
@@ -129,7 +143,9 @@ def decode_line(r: dict, stage2: dict | None) -> str:
         t_share = "stage 2 not counted" if traffic2 is None else \
             f"{_share(r['roofline_seconds_traffic'], traffic2['run_cached'])} of " \
             f"{traffic2['run_cached']:.1f} s"
-    return (f"| {r['model']} ({r['vae']}, {r['dtype']}) | {r['topology']} ({chip['name']}) | "
+    ops = r.get("conv_operands", r["dtype"])  # older reports: convs as stored
+    dtype = r["dtype"] + (f", {ops} conv operands" if ops != r["dtype"] else "")
+    return (f"| {r['model']} ({r['vae']}, {dtype}) | {r['topology']} ({chip['name']}) | "
             f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}) | "
             f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
             f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
@@ -179,8 +195,8 @@ def decode_lines(only, rerun: bool) -> list[str]:
         s2 = OUT / f"{stage2_name}.json"
         lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
     lines += ["", "Compile seconds: on this 2-core machine. The Wan2.2 rows were compiled on "
-              "2026-11-26, alone or beside one other compile (the TI2V-5B v6e fp32 and bf16 rows "
-              "867 and 1093 s, against 2573 and 5298 s beside other jobs before); the "
+              "2026-11-26, alone or beside one other job (the TI2V-5B v6e fp32 and bf16 rows "
+              "748 and 1093 s, against 2573 and 5298 s beside other jobs before); the "
               "HunyuanVideo-1.5 row beside other jobs (load average 5-8). That older report "
               "counts the encoder's weights too in GiB per chip.", "", DECODE_TRAFFIC]
     if missing:
@@ -209,7 +225,8 @@ def row_line(name: str, args: str, r: dict) -> str:
     verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
     return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB) "
-            f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} | {m['total'] / GiB:.1f} "
+            f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} "
+            f"| {m['total'] / GiB:.1f} "
             f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {flops_step:.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
             f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) | {_traffic_cell(s.get('traffic'))} |")

@@ -25,8 +25,9 @@ Convolution operands (`conv_operands`): a TPU computes a float32 convolution at 
 precision in one bfloat16 pass (operands rounded to bfloat16, products summed in float32). On a
 TPU the Wan decoders state that rounding in the program: each conv's input and weight are
 rounded where they are made, so the weights, the carried causal caches (only convs read them)
-and every pad and relayout in front of a conv move half the bytes, and the numbers are the ones
-the float32 program gives there. Elsewhere (CPU, GPU) convs stay float32 as stored.
+and every pad and relayout in front of a conv move half the bytes, and the numbers should be the
+ones the float32 program gives there (not yet compared on a TPU). Elsewhere (CPU, GPU) convs
+stay float32 as stored.
 
 On a mesh of several devices (1-D, axis "s") the latent frame, every cached frame and the video
 are split by rows, or by columns where the rows do not divide (`split_plan`), the weights
