@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tpu.vae_aot import dtype_label  # noqa: E402  (the decode rows' dtype cell, as it prints it)
+
 OUT = ROOT / "bench" / "results" / "tpu_aot"
 BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a scan
 GiB = 2**30
@@ -70,7 +73,7 @@ DECODE_TRAFFIC = (
     "program and sum in fp32 (`tpu.vae.conv_operand_dtype`): what the TPU's DEFAULT precision "
     "does to an fp32 convolution anyway, stated where the operands are made, so the weights, the "
     "carried caches and every pad and relayout in front of a convolution move half the bytes. "
-    "Rows whose decode cell says \"bf16 conv operands\" were compiled so; the other fp32 rows "
+    "Rows whose decode cell says \"conv operands bf16\" were compiled so; the other fp32 rows "
     "before (the TI2V-5B v6e-8 row moved from 4.80 to 3.25 GiB per chip, 0.83 to 0.75 s by bytes "
     "accessed and 0.56 to 0.44 s by traffic: 15.2% to 13.6% and 14.5% to 11.3% of the stage-2 "
     "run). Where the TI2V-5B decode's HBM traffic goes (`python -m tpu.vae_aot --model "
@@ -143,9 +146,7 @@ def decode_line(r: dict, stage2: dict | None) -> str:
         t_share = "stage 2 not counted" if traffic2 is None else \
             f"{_share(r['roofline_seconds_traffic'], traffic2['run_cached'])} of " \
             f"{traffic2['run_cached']:.1f} s"
-    ops = r.get("conv_operands", r["dtype"])  # older reports: convs as stored
-    dtype = r["dtype"] + (f", {ops} conv operands" if ops != r["dtype"] else "")
-    return (f"| {r['model']} ({r['vae']}, {dtype}) | {r['topology']} ({chip['name']}) | "
+    return (f"| {r['model']} ({r['vae']}, {dtype_label(r)}) | {r['topology']} ({chip['name']}) | "
             f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}) | "
             f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
             f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "

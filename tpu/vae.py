@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import types
 
@@ -131,15 +132,14 @@ def _conv(x, weight, bias, stride, padding, dilation, groups, operands=None):
 
     dims = x.ndim - 2
     layout = ("NCDHW", "OIDHW", "NCDHW") if dims == 3 else ("NCHW", "OIHW", "NCHW")
-    dt = jax.numpy.dtype(str(operands).removeprefix("torch."))
 
     def conv(x, w):
         return jax.lax.conv_general_dilated(
-            x.astype(dt), w.astype(dt), tuple(stride), [(p, p) for p in padding],
-            rhs_dilation=tuple(dilation), dimension_numbers=layout, feature_group_count=groups,
+            x, w, tuple(stride), [(p, p) for p in padding], rhs_dilation=tuple(dilation),
+            dimension_numbers=layout, feature_group_count=groups,
             preferred_element_type=jax.numpy.float32)
 
-    y = call_jax(conv, x.to(operands), weight)
+    y = call_jax(conv, x.to(operands), weight.to(operands))  # no-ops where already rounded
     return y if bias is None else y + bias.float().reshape(1, -1, *[1] * dims)
 
 
@@ -162,9 +162,10 @@ def _wan_conv(m, x, cache_x=None, operands=None):
 
 def _conv2d(m, x, operands=None):
     """nn.Conv2d (the 2-D upsamplers' convs, the mid-block attention's projections) through
-    `_conv`; one `_conv` cannot express (a padding mode or "same") as its own forward."""
+    `_conv`, which pads with zeros by a number per side (every Wan decoder's Conv2d does)."""
     if m.padding_mode != "zeros" or isinstance(m.padding, str):
-        return type(m).forward(m, x.to(m.weight.dtype))
+        raise ValueError(f"rounded conv operands take zero padding by numbers; this Conv2d pads "
+                         f"{m.padding!r} in mode {m.padding_mode!r}")
     return _conv(x, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups, operands)
 
 
@@ -182,25 +183,30 @@ def _wan_routes(vae, operands=None):
     """The decoder's causal convs and upsamplers routed through `_wan_conv`/`_wan_upsample`,
     and with `operands` its 2-D convs through `_conv2d` (the post-quant conv is a causal conv
     outside the decoder)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanUpsample
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanUpsample
 
-    routes = {WanCausalConv3d: lambda m, x, cache_x=None: _wan_conv(m, x, cache_x, operands),
-              WanUpsample: _wan_upsample}
+    causal, conv2d = _wan_conv_types()
+    routes = {causal: functools.partial(_wan_conv, operands=operands), WanUpsample: _wan_upsample}
     if operands is not None:
-        routes[torch.nn.Conv2d] = lambda m, x: _conv2d(m, x, operands)
+        routes[conv2d] = functools.partial(_conv2d, operands=operands)
     with _routed(vae.decoder, routes), _routed(vae.post_quant_conv, routes):
         yield
+
+
+def _wan_conv_types() -> tuple[type, type]:
+    """The conv modules `_wan_routes` convolves with rounded operands: causal 3-D, plain 2-D."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    return WanCausalConv3d, torch.nn.Conv2d
 
 
 def _conv_weights(vae) -> set[str]:
     """The names (in `_Decode`'s "vae.*" terms) of the weights `_wan_routes` convolves with
     rounded operands: they can be stored rounded."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-
     return {".".join(filter(None, ("vae", part, name, "weight")))
             for part in ("decoder", "post_quant_conv")
             for name, m in getattr(vae, part).named_modules()
-            if isinstance(m, (WanCausalConv3d, torch.nn.Conv2d))}
+            if isinstance(m, _wan_conv_types())}
 
 
 @contextlib.contextmanager

@@ -112,7 +112,7 @@ def run(args) -> dict:
                                                 "ici_bandwidth")},
         "devices": rows, "split": "rows" if split == ROWS else "columns", "chips": len(devices),
         "dtype": args.dtype,
-        "conv_operands": "bf16" if decoder.operands == torch.bfloat16 else args.dtype,
+        "conv_operands": {t: n for n, t in DTYPES.items()}.get(decoder.operands, args.dtype),
         "size": size,
         "latent_shape": list(latent_shape), "video_shape": list(video),
         "programs": {n: {**p.__dict__, **p.seconds(chip), "ici_bytes": p.ici_bytes,
@@ -130,12 +130,17 @@ def run(args) -> dict:
     return report
 
 
+def dtype_label(r: dict) -> str:
+    """A report's dtype, and its conv operands' where they differ ("fp32, conv operands bf16");
+    reports written before conv operands were recorded convolved as stored."""
+    ops = r.get("conv_operands", r["dtype"])
+    return r["dtype"] + (f", conv operands {ops}" if ops != r["dtype"] else "")
+
+
 def format_summary(r: dict) -> str:
     gib = 2**30
     m = r["memory"]
-    ops = r.get("conv_operands", r["dtype"])
-    dtype = r["dtype"] + (f", conv operands {ops}" if ops != r["dtype"] else "")
-    lines = [f"{r['model']} decode ({r['vae']}, {dtype}) on {r['topology']}: latents "
+    lines = [f"{r['model']} decode ({r['vae']}, {dtype_label(r)}) on {r['topology']}: latents "
              f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
              f"{r['devices']} of {r['chips']} chips",
              f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
