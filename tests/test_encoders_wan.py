@@ -175,19 +175,26 @@ def test_text_matches_diffusers_in_fp32(ti2v_root):
 
 
 def test_encode_text_to_video_bf16(ti2v_root):
-    """The public path (bf16, the official t5_dtype): the tensors stage 2 reads, equal to
-    diffusers' bf16 encode within one bf16 rounding step (diffusers runs the padding too);
-    no image -> no config fields."""
+    """The public path (bf16, the official t5_dtype): the tensors stage 2 reads, as near the
+    fp32 encode as diffusers' bf16 encode is (diffusers runs the padding too, so the two bf16
+    encodes round differently: on a CPU with bf16 instructions one element of the negative
+    prompt's differs by 8 of its bf16 steps); no image -> no config fields."""
     tensors, config = wan.encode(TI2V, Request(PROMPTS[0], negative_prompt="blurry"), None)
     assert config == {}
     check_tensors(tensors, specs(TI2V, config, image=False), "stage 1")
     assert set(tensors) == {"prompt_embeds", "negative_prompt_embeds"}
     theirs = diffusers_text(ti2v_root, torch.bfloat16)
+    exact = diffusers_text(ti2v_root)
     for key, prompt in (("prompt_embeds", PROMPTS[0]), ("negative_prompt_embeds", "blurry")):
         ours = tensors[key]
         assert ours.dtype == torch.bfloat16
-        ref = diffusers_prompt_embeds(theirs, prompt, 16)
-        torch.testing.assert_close(ours, ref[:, : ours.shape[1]], rtol=1.6e-2, atol=1e-2)
+        n = ours.shape[1]
+        ref = diffusers_prompt_embeds(theirs, prompt, 16)[:, :n].float()
+        fp32 = diffusers_prompt_embeds(exact, prompt, 16)[:, :n]
+        err, their_err = (ours.float() - fp32), (ref - fp32)
+        assert err.pow(2).mean().sqrt() <= 1.25 * their_err.pow(2).mean().sqrt() + 1e-4, key
+        assert err.abs().max() <= 2 * their_err.abs().max() + 1e-4, key
+        torch.testing.assert_close(ours.float(), ref, rtol=1.6e-2, atol=3e-2)
 
 
 def test_negative_defaults_are_the_official_ones():
