@@ -21,9 +21,10 @@ from modules.vae import VAES, build_tiny  # noqa: E402
 from tests.sp_jax_check import collectives  # noqa: E402
 from tpu.vae import JaxVaeDecoder, make_mesh  # noqa: E402
 
-# VAE -> (latent channels, latent [H, W], device counts): H splits over 8 devices. Every count
-# for one Wan VAE, 8 for the others (each mesh compiles two programs).
-CASES = {"wan2.1-vae": (16, (16, 8), (2, 4, 8)), "wan2.2-vae": (48, (8, 4), (8,)),
+# VAE -> (latent channels, latent [H, W], meshes): H splits over 8 devices. Every count for one
+# Wan VAE, and its 8 devices each cutting its band (2 x 8 latent pixels) into 2 x 2 strips as on a
+# TPU (tpu.vae.strip_grid); 8 for the others (each mesh compiles two programs).
+CASES = {"wan2.1-vae": (16, (16, 8), (2, 4, 8, (8, (2, 2)))), "wan2.2-vae": (48, (8, 4), (8,)),
          "hunyuanvideo-1.5-vae": (4, (8, 4), (8,))}
 
 
@@ -45,11 +46,13 @@ def check(name: str) -> dict:
             shape=list(video.shape), diffusers_shape=list(expected.shape), loop_compiles=loop,
             max_abs=float(np.abs(video - expected).max()) if video.shape == expected.shape else None)
     facts["same_programs"] = pairs[0] is pairs[1]  # one pair of programs served both lengths
-    for n in counts:  # the 2-frame clip, its rows split
-        decoder = JaxVaeDecoder(vae, make_mesh(n))
+    for case in counts:  # the 2-frame clip, its rows split
+        n, grid = case if isinstance(case, tuple) else (case, "auto")
+        decoder = JaxVaeDecoder(vae, make_mesh(n), **({} if grid == "auto" else {"strips": grid}))
         first, steady = decoder.prepare(tuple(z.shape))
         out = decoder.decode(z)
-        facts["meshes"][n] = dict(max_abs=float(np.abs(out - video).max()), shape=list(out.shape),
+        key = n if grid == "auto" else f"{n} x {grid[0]}x{grid[1]} strips"
+        facts["meshes"][key] = dict(max_abs=float(np.abs(out - video).max()), shape=list(out.shape),
                                   first=collectives(first.as_text()),
                                   steady=collectives(steady.as_text()))
     return facts

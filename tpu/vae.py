@@ -31,17 +31,29 @@ stay float32 as stored.
 
 On a mesh of several devices (1-D, axis "s") the latent frame, every cached frame and the video
 are split by rows, or by columns where the rows do not divide (`split_plan`), the weights
-replicated, and XLA partitions the convolutions (GSPMD: each 3x3 conv exchanges a line of halo
-with its neighbours by collective-permute). The mesh takes a divisor of the device count: a TPU
-compile refuses collectives over groups that do not tile the devices (libtpu: "total_device_count
-% num_participants_per_group == 0"), so Wan2.2 I2V-A14B's 90 latent rows at 720p split over 8
-chips by their 160 columns, not over 6 by rows.
+replicated. The mesh takes a divisor of the device count: a TPU compile refuses collectives over
+groups that do not tile the devices (libtpu: "total_device_count % num_participants_per_group ==
+0"), so Wan2.2 I2V-A14B's 90 latent rows at 720p split over 8 chips by their 160 columns, not
+over 6 by rows. HunyuanVideo-1.5: XLA partitions the convolutions (GSPMD: each 3x3 conv
+exchanges a line of halo with its neighbours by collective-permute).
+
+Wan: strips (`_Strips`). Each device's band of the frame is cut into a grid of strips stacked on
+the batch axis, and the decoder runs on them as on a batch (all but its 3x3 convs and its
+mid-block attention is per pixel); each conv's zero padding becomes the strip's halo, its
+neighbours' border lines (collective-permute of those lines across a band's edge), and the
+attention joins the strips into the frame. On a TPU a band is cut into at least 8 strips
+(`strip_grid`): of a conv with a batch under 8, libtpu's space-to-batch pass makes 8 batches of
+the width, and every conv's input is padded and relaid out into them and its output copied back
+(about a quarter of the TI2V-5B decode's HBM traffic); one such conv with the width taken off the
+pass (its spatial order changed) compiled 7x slower, as a batch of 8 strips it compiles faster
+than before. Elsewhere a band is one strip (a grid of 1 x 1: on one device, the whole frame).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import math
 import types
@@ -60,6 +72,12 @@ from .compile import compile_counts
 AXIS = "s"  # the mesh axis the frame's rows (or columns) are split over
 KV_BUCKET = 8  # HunyuanVideo-1.5: the mid-block K/V buffers hold a multiple of 8 latent frames
 ROWS, COLUMNS = 3, 4  # the split dimension of [B, C, T, H, W]
+# A TPU convolution of a batch of 8 or more runs as written; of fewer, libtpu's space-to-batch
+# pass cuts the frame's width into 8 batches and every conv's input and output are padded and
+# relaid out around it (measured on v6e-8: batches of 4 are cut, of 8 are not), so on a TPU the
+# Wan decoders cut each device's band of the frame into at least 8 strips (`strip_grid`).
+MIN_STRIPS = 8
+WAN_UPSCALE = 8  # a Wan decoder's last convs run at 8x the latent's rows and columns
 # The compiled programs of this process, by architecture (class, config, dtype), devices and
 # shape: the weights are arguments, so another decoder of the same VAE (the next run of a job,
 # another checkpoint) reuses them and compiles nothing.
@@ -143,13 +161,10 @@ def _conv(x, weight, bias, stride, padding, dilation, groups, operands=None):
     return y if bias is None else y + bias.float().reshape(1, -1, *[1] * dims)
 
 
-def _wan_conv(m, x, cache_x=None, operands=None):
-    """WanCausalConv3d.forward with its spatial zero padding left to the convolution: the
-    same numbers, but on rows split over devices XLA then exchanges a one-row halo, where a
-    separate pad of the split axis shifts every row to another device first (measured: 3
-    collective-permutes per conv, two of them of most of a shard, against 2 of one row).
-    operands: see `_conv`; the input is rounded before the cache goes in front and the time
-    padding, so those move rounded values."""
+def _wan_conv(m, x, cache_x=None, operands=None, strips=None):
+    """WanCausalConv3d.forward, its spatial zero padding left to the convolution, or on strips
+    (`_Strips`) made each strip's halo. operands: see `_conv`; the input is rounded before the
+    cache goes in front, the time padding and the halo, so those move rounded values."""
     pw, _, ph, _, pt, _ = m._padding
     if operands is not None:
         x = x.to(operands)
@@ -157,16 +172,28 @@ def _wan_conv(m, x, cache_x=None, operands=None):
         x = torch.cat([cache_x.to(device=x.device, dtype=x.dtype), x], dim=2)
         pt -= cache_x.shape[2]
     x = F.pad(x, (0, 0, 0, 0, pt, 0))
+    if strips is not None and (ph or pw):
+        x, ph, pw = strips.torch("halo", x, ph=ph, pw=pw), 0, 0
     return _conv(x, m.weight, m.bias, m.stride, (0, ph, pw), m.dilation, m.groups, operands)
 
 
-def _conv2d(m, x, operands=None):
-    """nn.Conv2d (the 2-D upsamplers' convs, the mid-block attention's projections) through
-    `_conv`, which pads with zeros by a number per side (every Wan decoder's Conv2d does)."""
+def _conv2d(m, x, operands=None, strips=None):
+    """nn.Conv2d (the 2-D upsamplers' convs on [strips * frames, C, h, w], the mid-block
+    attention's 1x1 projections) through `_conv`, its zero padding (by a number per side, as
+    every Wan decoder's Conv2d pads) as each strip's halo."""
     if m.padding_mode != "zeros" or isinstance(m.padding, str):
-        raise ValueError(f"rounded conv operands take zero padding by numbers; this Conv2d pads "
-                         f"{m.padding!r} in mode {m.padding_mode!r}")
-    return _conv(x, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups, operands)
+        raise ValueError(f"the Wan decode's 2-D convs take zero padding by numbers; this Conv2d "
+                         f"pads {m.padding!r} in mode {m.padding_mode!r}")
+    padding = tuple(m.padding)
+    if strips is not None and any(padding):
+        x, padding = strips.torch("halo", x, ph=padding[0], pw=padding[1]), (0, 0)
+    return _conv(x, m.weight, m.bias, m.stride, padding, m.dilation, m.groups, operands)
+
+
+def _wan_attention(m, x, strips):
+    """WanAttentionBlock (each frame's pixels attend to each other) on the whole frame."""
+    frame = type(m).forward(m, strips.torch("join", x))
+    return strips.torch("cut", frame)
 
 
 def _wan_upsample(m, x):
@@ -178,17 +205,132 @@ def _wan_upsample(m, x):
     return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
 
 
+# --- Wan: the frame as strips on the batch axis ----------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def strip_grid(band_height: int, band_width: int, platform: str) -> tuple[int, int]:
+    """(rows, columns) of strips each device cuts its band of the latent frame (band_height x
+    band_width latent pixels) into for the Wan decoders: on a TPU the grid of at least
+    MIN_STRIPS strips whose halos (one line around each strip, at the last convs' 8x size) add
+    the fewest pixels, on a tie fewer strips, then wider ones; (1, 1) where none divides or
+    off a TPU."""
+    if platform != "tpu":
+        return 1, 1
+    best, best_cost = (1, 1), None
+    for r in _divisors(band_height):
+        for c in _divisors(band_width):
+            if r * c < MIN_STRIPS:
+                continue
+            h, w = WAN_UPSCALE * band_height // r, WAN_UPSCALE * band_width // c
+            cost = ((h + 2) * (w + 2) / (h * w), r * c, c)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (r, c), cost
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class _Strips:
+    """The frame over `n` devices (its rows or columns split: `split`), each device's band cut
+    into `rows` x `cols` strips, all stacked on the batch axis: [n*rows*cols, C, T, h, w],
+    device-major, sharded over the mesh by that axis. Every op of a Wan decoder but its 3x3
+    convs and its mid-block attention is per pixel, so the decoder runs on the strips as on a
+    batch; `halo` gives each conv its neighbours' border lines, `join`/`cut` give the attention
+    the whole frame."""
+
+    n: int
+    split: int
+    rows: int
+    cols: int
+    mesh: Mesh | None
+
+    @property
+    def batch(self) -> int:
+        return self.n * self.rows * self.cols
+
+    def _local(self, fn, band_in: bool, band_out: bool):
+        """fn on each device's part: its band of a [1, C, T, H, W] frame, or its strips."""
+        if self.mesh is None:
+            return fn
+        band = [None] * 5
+        band[self.split] = AXIS
+        spec = (lambda is_band: P(*band) if is_band else P(AXIS))
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=spec(band_in), out_specs=spec(band_out))
+
+    def cut(self, x):
+        """[1, C, T, H, W] (jax) -> the strips [B, C, T, h, w]."""
+        def local(x):
+            _, c, t, hh, ww = x.shape
+            h, w = hh // self.rows, ww // self.cols
+            g = x.reshape(c, t, self.rows, h, self.cols, w).transpose(2, 4, 0, 1, 3, 5)
+            return g.reshape(self.rows * self.cols, c, t, h, w)
+        return self._local(local, True, False)(x)
+
+    def join(self, x):
+        """The strips [B, C, T, h, w] (jax) -> [1, C, T, H, W]."""
+        def local(x):
+            _, c, t, h, w = x.shape
+            g = x.reshape(self.rows, self.cols, c, t, h, w).transpose(2, 3, 0, 4, 1, 5)
+            return g.reshape(1, c, t, self.rows * h, self.cols * w)
+        return self._local(local, False, True)(x)
+
+    def halo(self, x, ph: int, pw: int):
+        """Strips [B, ..., h, w] (jax; the batch may hold frames too: [B*T, C, h, w]) -> each
+        with `ph` rows and `pw` columns of its neighbours' around it, zeros at the frame's
+        edges (a conv's zero padding); across a band's edge they come from the adjacent device
+        (collective-permute of those lines only)."""
+        def local(x):
+            g = x.reshape(self.rows, self.cols, -1, *x.shape[1:])
+            g = self._border(g, 1, pw, -1, self.split == COLUMNS)
+            g = self._border(g, 0, ph, -2, self.split == ROWS)  # after the columns: the corners
+            return g.reshape(-1, *g.shape[3:])
+        return self._local(local, False, False)(x)
+
+    def _border(self, g, axis: int, width: int, dim: int, across: bool):
+        """g [rows, cols, ...]: each strip with `width` lines of its neighbours along grid axis
+        `axis` on both sides of its dimension `dim`."""
+        if width == 0:
+            return g
+        jnp = jax.numpy
+        size = g.shape[dim]
+        last = jax.lax.slice_in_dim(g, size - width, size, axis=dim)  # the next one's before
+        first = jax.lax.slice_in_dim(g, 0, width, axis=dim)  # the previous one's after
+        n = g.shape[axis]
+        into = jax.lax.slice_in_dim(last, n - 1, n, axis=axis)  # the band's edge lines
+        outof = jax.lax.slice_in_dim(first, 0, 1, axis=axis)
+        if across and self.mesh is not None and self.n > 1:  # from the adjacent devices
+            before_edge = jax.lax.ppermute(into, AXIS, [(i, i + 1) for i in range(self.n - 1)])
+            after_edge = jax.lax.ppermute(outof, AXIS, [(i + 1, i) for i in range(self.n - 1)])
+        else:  # the frame's edge
+            before_edge, after_edge = jnp.zeros_like(into), jnp.zeros_like(outof)
+        before = jnp.concatenate([before_edge, jax.lax.slice_in_dim(last, 0, n - 1, axis=axis)],
+                                 axis=axis)
+        after = jnp.concatenate([jax.lax.slice_in_dim(first, 1, n, axis=axis), after_edge],
+                                axis=axis)
+        return jnp.concatenate([before, g, after], axis=dim)
+
+    def torch(self, method: str, x, **kwargs):
+        """One of the above on a torch tensor of the trace."""
+        from torchax.interop import call_jax
+
+        return call_jax(functools.partial(getattr(self, method), **kwargs), x)
+
+
 @contextlib.contextmanager
-def _wan_routes(vae, operands=None):
-    """The decoder's causal convs and upsamplers routed through `_wan_conv`/`_wan_upsample`,
-    and with `operands` its 2-D convs through `_conv2d` (the post-quant conv is a causal conv
-    outside the decoder)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanUpsample
+def _wan_routes(vae, operands=None, strips=None):
+    """The decoder's causal convs, 2-D convs and upsamplers routed through `_wan_conv`/
+    `_conv2d`/`_wan_upsample`, its mid-block attention through `_wan_attention` (the post-quant
+    conv is a causal 1x1x1 conv outside the decoder)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanUpsample
 
     causal, conv2d = _wan_conv_types()
-    routes = {causal: functools.partial(_wan_conv, operands=operands), WanUpsample: _wan_upsample}
-    if operands is not None:
-        routes[conv2d] = functools.partial(_conv2d, operands=operands)
+    routes = {causal: functools.partial(_wan_conv, operands=operands, strips=strips),
+              conv2d: functools.partial(_conv2d, operands=operands, strips=strips),
+              WanUpsample: _wan_upsample}
+    if strips is not None:
+        routes[WanAttentionBlock] = functools.partial(_wan_attention, strips=strips)
     with _routed(vae.decoder, routes), _routed(vae.post_quant_conv, routes):
         yield
 
@@ -226,9 +368,10 @@ def _routed(module, routes: dict):
             del m.forward
 
 
-def _wan_first(vae, z, operands=None):
+def _wan_first(vae, z, operands=None, strips=None):
     """Latent frame 0 -> (video frame 0, the cache in steady shapes; with `operands`, in that
-    dtype: only convs read it, and they round it anyway)."""
+    dtype: only convs read it, and they round it anyway). strips: z and the cache as `_Strips`
+    (the video is joined)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
 
     rep_inputs = []  # the input of each 3-D upsampler, in call order ("Rep" in the cache)
@@ -236,9 +379,9 @@ def _wan_first(vae, z, operands=None):
              for m in vae.decoder.modules() if isinstance(m, WanResample) and m.mode == "upsample3d"]
     try:
         cache = [None] * vae._cached_conv_counts["decoder"]
-        with _wan_routes(vae, operands):
-            out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0],
-                              first_chunk=True)
+        with _wan_routes(vae, operands, strips):
+            out = vae.decoder(vae.post_quant_conv(_cut(z, strips)), feat_cache=cache,
+                              feat_idx=[0], first_chunk=True)
     finally:
         for h in hooks:
             h.remove()
@@ -251,15 +394,19 @@ def _wan_first(vae, z, operands=None):
         elif entry is not None and entry.shape[2] < 2:
             entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
         state.append(entry)
-    return _wan_video(vae, out), _stored(state, operands)
+    return _wan_video(vae, out, strips), _stored(state, operands)
 
 
-def _wan_steady(vae, z, state, operands=None):
+def _wan_steady(vae, z, state, operands=None, strips=None):
     """Latent frame i > 0 with the cache of frame i - 1 -> (4 video frames, the next cache)."""
     cache = list(state)
-    with _wan_routes(vae, operands):
-        out = vae.decoder(vae.post_quant_conv(z), feat_cache=cache, feat_idx=[0])
-    return _wan_video(vae, out), _stored(cache, operands)
+    with _wan_routes(vae, operands, strips):
+        out = vae.decoder(vae.post_quant_conv(_cut(z, strips)), feat_cache=cache, feat_idx=[0])
+    return _wan_video(vae, out, strips), _stored(cache, operands)
+
+
+def _cut(z, strips):
+    return z if strips is None else strips.torch("cut", z)
 
 
 def _stored(state, operands):
@@ -267,12 +414,13 @@ def _stored(state, operands):
         s.to(operands) if isinstance(s, torch.Tensor) else s for s in state]
 
 
-def _wan_video(vae, out):
+def _wan_video(vae, out, strips=None):
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
     if vae.config.patch_size is not None:
         out = unpatchify(out, patch_size=vae.config.patch_size)
-    return torch.clamp(out, min=-1.0, max=1.0)
+    out = torch.clamp(out, min=-1.0, max=1.0)
+    return out if strips is None else strips.torch("join", out)
 
 
 # --- HunyuanVideo-1.5: conv caches and the mid-block K/V carried by hand ------------------------
@@ -390,10 +538,13 @@ class JaxVaeDecoder:
     (`tpu.vae_aot`).
     conv_operands: the dtype the Wan decoders round conv operands to (see the module's doc),
     None for as stored; "auto": `conv_operand_dtype` for the mesh's platform.
+    strips: (rows, columns) of strips the Wan decoders cut each device's band of the frame into
+    (`_Strips`); "auto": `strip_grid` for the mesh's platform.
     """
 
     def __init__(self, vae, mesh: Mesh | None = None, *, abstract: bool = False,
-                 conv_operands: torch.dtype | None | str = "auto"):
+                 conv_operands: torch.dtype | None | str = "auto",
+                 strips: tuple[int, int] | str = "auto"):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         self.family = family(vae)
@@ -412,6 +563,13 @@ class JaxVaeDecoder:
             raise ValueError(f"conv_operands rounds the Wan decoders' convs; {type(vae).__name__}"
                              " convolves as stored (expected conv_operands=None or 'auto')")
         self.operands = conv_operands
+        self.platform = platform
+        if strips != "auto" and (self.family != "wan" or len(strips) != 2
+                                 or min(strips) < 1):
+            raise ValueError(f"strips={strips!r}: expected 'auto' or (rows, columns) of at least "
+                             "1 each, for a Wan VAE")
+        self.grid = strips
+        self.strips = None  # set per latent shape by `prepare`
         rounded = _conv_weights(vae) if conv_operands is not None else set()
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         # the decoder's side only: the encoder's weights (a third of the Wan2.2 VAE's) would sit
@@ -423,7 +581,7 @@ class JaxVaeDecoder:
             if mesh is not None else None
         config = sorted((k, repr(v)) for k, v in dict(getattr(vae, "config", {})).items())
         self._arch = (type(vae).__name__, tuple(config), str(self.dtype), str(conv_operands),
-                      devices)
+                      devices, strips)
         # (latent shape of one frame, kv_frames) -> (first, steady)
         self._programs = _COMPILED.setdefault(self._arch, {})
 
@@ -450,8 +608,23 @@ class JaxVaeDecoder:
         return jax.device_put(tensor.detach().cpu().numpy(), sharding)
 
     def _state_shardings(self, abstract):
-        """Cached frames split by rows like the activations; K/V buffers replicated."""
+        """Cached frames split like the activations (Wan: strips by the batch axis); K/V
+        buffers replicated."""
+        if self.strips is not None and self.mesh is not None:
+            return jax.tree.map(lambda a: NamedSharding(self.mesh, P(AXIS)), abstract)
         return jax.tree.map(lambda a: self._rows(a.ndim) or self._replicated(), abstract)
+
+    def _plan_strips(self, h: int, w: int):
+        """The `_Strips` of a latent frame of h x w (None: the frame whole on one device)."""
+        n = 1 if self.mesh is None else self.mesh.size
+        band = (h // n, w) if self.split == ROWS else (h, w // n)
+        rows, cols = strip_grid(*band, self.platform) if self.grid == "auto" else self.grid
+        if band[0] % rows or band[1] % cols:
+            raise ValueError(f"strips {rows} x {cols}: each device's band of the latent frame is "
+                             f"{band[0]} x {band[1]}; expected divisors of those")
+        if n * rows * cols == 1:
+            return None
+        return _Strips(n, self.split, rows, cols, self.mesh)
 
     # programs -------------------------------------------------------------------------------
 
@@ -476,6 +649,7 @@ class JaxVaeDecoder:
             if n != self.mesh.size:
                 raise ValueError(f"a latent of {h} x {w} splits over no {self.mesh.size} devices "
                                  f"by rows or columns; use {n} (tpu.vae.split_plan)")
+        self.strips = self._plan_strips(h, w) if self.family == "wan" else None
         kv = self.kv_frames(frames) if self.family == "hunyuan" else 0
         key = ((b, c, h, w), kv) if self.family != "pixels" else tuple(latent_shape)
         if key in self._programs:
@@ -491,13 +665,14 @@ class JaxVaeDecoder:
         z = jax.ShapeDtypeStruct((b, c, 1, h, w), dt, sharding=self._rows())
         if self.family == "wan":
             operands = self.operands
+            strips = self.strips
 
             def first_fn(vae, z):
-                out, state = _wan_first(vae, z, operands)
+                out, state = _wan_first(vae, z, operands, strips)
                 return out.float(), state
 
             def steady_fn(vae, z, state):
-                out, state = _wan_steady(vae, z, state, operands)
+                out, state = _wan_steady(vae, z, state, operands, strips)
                 return out.float(), state
         else:
             def first_fn(vae, z):
