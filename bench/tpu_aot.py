@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tpu.vae_aot import dtype_label  # noqa: E402  (the decode rows' dtype cell, as it prints it)
+from tpu.vae_aot import dtype_label, strips_label  # noqa: E402  (decode cells, as it prints them)
 
 OUT = ROOT / "bench" / "results" / "tpu_aot"
 BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a scan
@@ -147,7 +147,7 @@ def decode_line(r: dict, stage2: dict | None) -> str:
             f"{_share(r['roofline_seconds_traffic'], traffic2['run_cached'])} of " \
             f"{traffic2['run_cached']:.1f} s"
     return (f"| {r['model']} ({r['vae']}, {dtype_label(r)}) | {r['topology']} ({chip['name']}) | "
-            f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}) | "
+            f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}{strips_label(r)}) | "
             f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
             f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
             f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "

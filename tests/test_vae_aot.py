@@ -27,7 +27,7 @@ def _cli(*args):
 
 def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     """The tiny TI2V VAE (8 x 12 latent rows x columns) on v6e:2x2: rows split over the 4 chips,
-    one first program and a steady one per further latent frame, halos exchanged between
+    each chip's band cut into strips, one first program and a steady one per further latent frame, halos exchanged between
     neighbours, and a plan that holds at least the weights and the steady program's own
     temporaries."""
     out = _cli("--model", "wan-tiny-ti2v", "--topology", "v6e:2x2", "--tiny",
@@ -38,6 +38,8 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     pipe = get_pipeline("wan-tiny-ti2v")
     shape = pipe.latent_shape(*pipe.size)
     assert (report["devices"], report["split"]) == (4, "rows")
+    # each chip's band of 2 x 12 latent pixels as a batch of 8 strips (tpu.vae.strip_grid)
+    assert report["strips"] == [2, 4] and "each band as 2 x 4 strips" in out.stdout
     # float32 on a TPU: the convs' operands rounded to bf16 in the program (tpu.vae)
     assert (report["dtype"], report["conv_operands"]) == ("fp32", "bf16")
     assert "fp32, conv operands bf16" in out.stdout

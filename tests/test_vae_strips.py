@@ -50,3 +50,46 @@ def test_grids_that_do_not_divide_the_band_are_refused():
         tv.JaxVaeDecoder(vae, strips=(0, 2))
     with pytest.raises(ValueError, match="for a Wan VAE"):
         tv.JaxVaeDecoder(build_tiny(VAES["hunyuanvideo-1.5-vae"], 4), strips=(2, 2))
+
+
+@pytest.mark.parametrize("cin,cout,ft", [(1024, 1024, 2), (1024, 512, 1), (48, 12, 1), (8, 16, 2)])
+def test_the_shortcut_upsampler_repeats_pixels_to_the_same_numbers(cin, cout, ft):
+    """Wan2.2's DupUp3D through tpu.vae's route: repeats 8 (sub-pixels share a channel), 2 (the
+    columns do: the TI2V-5B VAE's last up block), 1 (diffusers' transpose), 16; bit for bit."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    m = DupUp3D(cin, cout, ft, 2)
+    x = torch.randn(2, cin, 3, 5, 4, generator=torch.Generator().manual_seed(cin + cout))
+    for first in (False, True):
+        assert torch.equal(tv._wan_dup_up(m, x, first_chunk=first), m(x, first_chunk=first))
+
+
+@pytest.mark.parametrize("per_call", [2, 3])
+def test_steady_calls_of_several_frames_decode_what_diffusers_does_and_compile_nothing(per_call):
+    """A steady call of k latent frames; a clip whose frames after the first do not fill the last
+    call pads it with zero frames (the convs are causal) and drops their video."""
+    torch.set_num_threads(1)
+    vae = build_tiny(VAES["wan2.1-vae"], 16)
+    decoder = tv.JaxVaeDecoder(vae, frames_per_call=per_call)
+    for frames in (4, 2):  # 3 frames after the first: k=2 pads its second call, k=3 fills one
+        z = torch.randn(1, 16, frames, 8, 8, generator=torch.Generator().manual_seed(frames))
+        decoder.prepare(tuple(z.shape))
+        before = decoder.compile_counts().lowered
+        video = decoder.decode(z)
+        assert decoder.compile_counts().lowered == before  # one pair of programs, both lengths
+        with torch.no_grad():
+            want = vae.decode(z).sample.float().numpy()
+        assert video.shape == want.shape == (1, 3, 4 * frames - 3, 64, 64)
+        assert np.abs(video - want).max() < 1e-4
+
+
+def test_frames_per_call_is_a_positive_integer_and_wan_only():
+    vae = build_tiny(VAES["wan2.1-vae"], 16)
+    assert tv.JaxVaeDecoder(vae).per_call == tv.WAN_FRAMES_PER_CALL
+    for bad in (0, "2", 1.5):
+        with pytest.raises(ValueError, match="expected 'auto' or a positive integer"):
+            tv.JaxVaeDecoder(vae, frames_per_call=bad)
+    hunyuan = build_tiny(VAES["hunyuanvideo-1.5-vae"], 4)
+    assert tv.JaxVaeDecoder(hunyuan).per_call == 1
+    with pytest.raises(ValueError, match="above 1 for a Wan VAE only"):
+        tv.JaxVaeDecoder(hunyuan, frames_per_call=2)

@@ -78,6 +78,7 @@ ROWS, COLUMNS = 3, 4  # the split dimension of [B, C, T, H, W]
 # Wan decoders cut each device's band of the frame into at least 8 strips (`strip_grid`).
 MIN_STRIPS = 8
 WAN_UPSCALE = 8  # a Wan decoder's last convs run at 8x the latent's rows and columns
+WAN_FRAMES_PER_CALL = 1  # latent frames a Wan decoder's steady call decodes
 # The compiled programs of this process, by architecture (class, config, dtype), devices and
 # shape: the weights are arguments, so another decoder of the same VAE (the next run of a job,
 # another checkpoint) reuses them and compiles nothing.
@@ -185,9 +186,67 @@ def _conv2d(m, x, operands=None, strips=None):
         raise ValueError(f"the Wan decode's 2-D convs take zero padding by numbers; this Conv2d "
                          f"pads {m.padding!r} in mode {m.padding_mode!r}")
     padding = tuple(m.padding)
-    if strips is not None and any(padding):
-        x, padding = strips.torch("halo", x, ph=padding[0], pw=padding[1]), (0, 0)
+    if strips is not None and any(padding):  # [strips * frames, C, h, w]: frames into channels
+        n, c, h, w = x.shape
+        x = strips.torch("halo", x.reshape(strips.batch, -1, h, w), ph=padding[0], pw=padding[1])
+        x, padding = x.reshape(n, c, *x.shape[-2:]), (0, 0)
     return _conv(x, m.weight, m.bias, m.stride, padding, m.dilation, m.groups, operands)
+
+
+def _wan_resample(m, x, feat_cache=None, feat_idx=(0,), *, operands=None, strips=None):
+    """WanResample; an upsampler's 2x nearest upsample and 3x3 conv on [B, C, T, h, w] (the conv
+    a 1x3x3 3-D conv), where diffusers folds the frames into the batch around them: on a TPU the
+    conv's output was copied back from the folded layout. The time upsampling and its cache run
+    as diffusers runs them (the resample swapped for an identity meanwhile)."""
+    if m.mode not in ("upsample2d", "upsample3d"):
+        return type(m).forward(m, x, feat_cache, feat_idx)
+    resample = m.resample
+    up, conv = resample
+    m._modules["resample"] = torch.nn.Identity()
+    try:
+        x = type(m).forward(m, x, feat_cache, feat_idx)
+    finally:
+        m._modules["resample"] = resample
+    if tuple(up.scale_factor) != (2.0, 2.0) or up.mode != "nearest-exact":
+        raise ValueError(f"a Wan upsampler scales 2x by nearest-exact; this one {up.mode} "
+                         f"{up.scale_factor}")
+    x = _wan_upsample(up, x)
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        raise ValueError(f"a Wan upsampler's conv pads with zeros by numbers; this one pads "
+                         f"{conv.padding!r} in mode {conv.padding_mode!r}")
+    ph, pw = conv.padding
+    if operands is not None:
+        x = x.to(operands)
+    if strips is not None and (ph or pw):
+        x, ph, pw = strips.torch("halo", x, ph=ph, pw=pw), 0, 0
+    return _conv(x, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, ph, pw),
+                 (1, *conv.dilation), conv.groups, operands)
+
+
+def _wan_dup_up(m, x, first_chunk=False):
+    """DupUp3D (Wan2.2's up blocks' shortcut: channels repeated, then moved into ft x fs x fs
+    sub-positions of frames, rows and columns). Where `repeats` is a multiple of fs * fs, each
+    pixel's fs x fs sub-positions take one channel, and where it is a multiple of fs, each
+    column sub-position does: the same numbers as the channels moved into frames (and rows) and
+    then each pixel repeated. The repeat fuses into its reader, where the transpose of the whole
+    upsampled tensor was copied (on a TPU, per steady call of the TI2V-5B decode, 0.46 GB in
+    one up block alone)."""
+    ft, fs, repeats = m.factor_t, m.factor_s, m.repeats
+    shared = fs * fs if repeats % (fs * fs) == 0 else fs if repeats % fs == 0 else 1
+    if shared == 1:
+        return type(m).forward(m, x, first_chunk)
+    b, _, t, h, w = x.shape
+    # channel (co * ft + i) * (fs * fs // shared) + j of this is the one that sub-frame i (and
+    # sub-row j) of channel co takes
+    x = x.repeat_interleave(repeats // shared, dim=1)
+    if shared == fs * fs:
+        x = x.view(b, m.out_channels, ft, t, h, w).transpose(2, 3).reshape(b, -1, t * ft, h, w)
+        x = x.repeat_interleave(fs, dim=-2)
+    else:  # the rows from channels too
+        x = x.view(b, m.out_channels, ft, fs, t, h, w).permute(0, 1, 4, 2, 5, 3, 6)
+        x = x.reshape(b, -1, t * ft, h * fs, w)
+    x = x.repeat_interleave(fs, dim=-1)
+    return x[:, :, ft - 1:] if first_chunk else x
 
 
 def _wan_attention(m, x, strips):
@@ -277,39 +336,69 @@ class _Strips:
         return self._local(local, False, True)(x)
 
     def halo(self, x, ph: int, pw: int):
-        """Strips [B, ..., h, w] (jax; the batch may hold frames too: [B*T, C, h, w]) -> each
-        with `ph` rows and `pw` columns of its neighbours' around it, zeros at the frame's
-        edges (a conv's zero padding); across a band's edge they come from the adjacent device
-        (collective-permute of those lines only)."""
+        """Strips [B, ..., h, w] (jax) -> each with `ph` rows and `pw` columns of its
+        neighbours' around it, zeros at the frame's edges (a conv's zero padding); across a
+        band's edge they come from the adjacent device (collective-permute of those lines
+        only). The neighbours' lines are gathered by strip index from the border lines alone
+        and the strip written once with them: the batch axis stays whole (split into the grid
+        it is tiled with the channels on a TPU, and was relaid out, several times a conv)."""
+        jnp = jax.numpy
+
         def local(x):
-            g = x.reshape(self.rows, self.cols, -1, *x.shape[1:])
-            g = self._border(g, 1, pw, -1, self.split == COLUMNS)
-            g = self._border(g, 0, ph, -2, self.split == ROWS)  # after the columns: the corners
-            return g.reshape(-1, *g.shape[3:])
+            def columns(part, left, right):  # with the column halo in front and behind
+                return part if pw == 0 else jnp.concatenate([left, part, right], axis=-1)
+
+            left, right = self._lines(x, pw, -1, 1, self.split == COLUMNS)
+            middle = columns(x, left, right)
+            if ph == 0:
+                return middle
+            h = x.shape[-2]
+
+            def rows(a, b):  # rows a:b of each strip with its column halo (the corners)
+                cut = functools.partial(jax.lax.slice_in_dim, start_index=a, limit_index=b,
+                                        axis=-2)
+                return columns(cut(x), *((cut(left), cut(right)) if pw else (None, None)))
+
+            up, down = self._lines(None, ph, -2, 0, self.split == ROWS,
+                                   edges=(rows(0, ph), rows(h - ph, h)))
+            return jnp.concatenate([up, middle, down], axis=-2)
         return self._local(local, False, False)(x)
 
-    def _border(self, g, axis: int, width: int, dim: int, across: bool):
-        """g [rows, cols, ...]: each strip with `width` lines of its neighbours along grid axis
-        `axis` on both sides of its dimension `dim`."""
-        if width == 0:
-            return g
+    def _lines(self, x, width: int, dim: int, along: int, across: bool, edges=None):
+        """(before, after): for each strip, the `width` lines of dimension `dim` in front of it
+        (its previous neighbour's last ones) and behind it (the next one's first ones), the
+        neighbours along the grid's columns (along=1) or rows (0); across: at the band's edge
+        from the adjacent devices, else zeros. edges: each strip's (first, last) lines, where
+        they are not x's."""
         jnp = jax.numpy
-        size = g.shape[dim]
-        last = jax.lax.slice_in_dim(g, size - width, size, axis=dim)  # the next one's before
-        first = jax.lax.slice_in_dim(g, 0, width, axis=dim)  # the previous one's after
-        n = g.shape[axis]
-        into = jax.lax.slice_in_dim(last, n - 1, n, axis=axis)  # the band's edge lines
-        outof = jax.lax.slice_in_dim(first, 0, 1, axis=axis)
-        if across and self.mesh is not None and self.n > 1:  # from the adjacent devices
-            before_edge = jax.lax.ppermute(into, AXIS, [(i, i + 1) for i in range(self.n - 1)])
-            after_edge = jax.lax.ppermute(outof, AXIS, [(i + 1, i) for i in range(self.n - 1)])
-        else:  # the frame's edge
-            before_edge, after_edge = jnp.zeros_like(into), jnp.zeros_like(outof)
-        before = jnp.concatenate([before_edge, jax.lax.slice_in_dim(last, 0, n - 1, axis=axis)],
-                                 axis=axis)
-        after = jnp.concatenate([jax.lax.slice_in_dim(first, 1, n, axis=axis), after_edge],
-                                axis=axis)
-        return jnp.concatenate([before, g, after], axis=dim)
+        if width == 0:
+            return None, None
+        if edges is None:
+            size = x.shape[dim]
+            edges = (jax.lax.slice_in_dim(x, 0, width, axis=dim),
+                     jax.lax.slice_in_dim(x, size - width, size, axis=dim))
+        first, last = edges
+        # strip ids [position along the neighbours' axis, the other axis]
+        grid = np.arange(self.rows * self.cols).reshape(self.rows, self.cols)
+        grid = grid if along == 0 else grid.T
+        n, others = grid.shape
+        b = first.shape[0]
+        if across and self.mesh is not None and self.n > 1:  # the band's edge strips' lines
+            into = jax.lax.ppermute(jnp.take(last, grid[n - 1], axis=0), AXIS,
+                                    [(i, i + 1) for i in range(self.n - 1)])
+            outof = jax.lax.ppermute(jnp.take(first, grid[0], axis=0), AXIS,
+                                     [(i + 1, i) for i in range(self.n - 1)])
+            edge = b + np.arange(others)  # their place in the stacks below
+        else:  # the frame's edge: the zero line after the stacks
+            into = outof = first[:0]
+            edge = np.full(others, b)
+        before = np.empty(b, dtype=np.int32)
+        after = np.empty(b, dtype=np.int32)
+        before[grid[0]], after[grid[n - 1]] = edge, edge
+        before[grid[1:]], after[grid[:-1]] = grid[:-1], grid[1:]
+        zero = jnp.zeros_like(first[:1])
+        return (jnp.take(jnp.concatenate([last, into, zero]), before, axis=0),
+                jnp.take(jnp.concatenate([first, outof, zero]), after, axis=0))
 
     def torch(self, method: str, x, **kwargs):
         """One of the above on a torch tensor of the trace."""
@@ -320,15 +409,18 @@ class _Strips:
 
 @contextlib.contextmanager
 def _wan_routes(vae, operands=None, strips=None):
-    """The decoder's causal convs, 2-D convs and upsamplers routed through `_wan_conv`/
-    `_conv2d`/`_wan_upsample`, its mid-block attention through `_wan_attention` (the post-quant
-    conv is a causal 1x1x1 conv outside the decoder)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanUpsample
+    """The decoder's causal convs, 2-D convs, upsamplers, resamplers and Wan2.2's shortcut
+    upsamplers routed through `_wan_conv`/`_conv2d`/`_wan_upsample`/`_wan_resample`/
+    `_wan_dup_up`, its mid-block attention through `_wan_attention` (the post-quant conv is a
+    causal 1x1x1 conv outside the decoder)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import (
+        DupUp3D, WanAttentionBlock, WanResample, WanUpsample)
 
     causal, conv2d = _wan_conv_types()
     routes = {causal: functools.partial(_wan_conv, operands=operands, strips=strips),
               conv2d: functools.partial(_conv2d, operands=operands, strips=strips),
-              WanUpsample: _wan_upsample}
+              WanUpsample: _wan_upsample, DupUp3D: _wan_dup_up,
+              WanResample: functools.partial(_wan_resample, operands=operands, strips=strips)}
     if strips is not None:
         routes[WanAttentionBlock] = functools.partial(_wan_attention, strips=strips)
     with _routed(vae.decoder, routes), _routed(vae.post_quant_conv, routes):
@@ -540,11 +632,13 @@ class JaxVaeDecoder:
     None for as stored; "auto": `conv_operand_dtype` for the mesh's platform.
     strips: (rows, columns) of strips the Wan decoders cut each device's band of the frame into
     (`_Strips`); "auto": `strip_grid` for the mesh's platform.
+    frames_per_call: latent frames each steady call of a Wan decoder decodes (the last call's
+    missing ones zeros, their video dropped: the convs are causal); "auto": WAN_FRAMES_PER_CALL.
     """
 
     def __init__(self, vae, mesh: Mesh | None = None, *, abstract: bool = False,
                  conv_operands: torch.dtype | None | str = "auto",
-                 strips: tuple[int, int] | str = "auto"):
+                 strips: tuple[int, int] | str = "auto", frames_per_call: int | str = "auto"):
         self.torchax = import_torchax()
         self.env = self.torchax.default_env()
         self.family = family(vae)
@@ -570,6 +664,13 @@ class JaxVaeDecoder:
                              "1 each, for a Wan VAE")
         self.grid = strips
         self.strips = None  # set per latent shape by `prepare`
+        if frames_per_call == "auto":
+            frames_per_call = WAN_FRAMES_PER_CALL if self.family == "wan" else 1
+        if not isinstance(frames_per_call, int) or frames_per_call < 1 or (
+                frames_per_call > 1 and self.family != "wan"):
+            raise ValueError(f"frames_per_call={frames_per_call!r}: expected 'auto' or a positive "
+                             "integer (above 1 for a Wan VAE only)")
+        self.per_call = frames_per_call
         rounded = _conv_weights(vae) if conv_operands is not None else set()
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         # the decoder's side only: the encoder's weights (a third of the Wan2.2 VAE's) would sit
@@ -651,7 +752,8 @@ class JaxVaeDecoder:
                                  f"by rows or columns; use {n} (tpu.vae.split_plan)")
         self.strips = self._plan_strips(h, w) if self.family == "wan" else None
         kv = self.kv_frames(frames) if self.family == "hunyuan" else 0
-        key = ((b, c, h, w), kv) if self.family != "pixels" else tuple(latent_shape)
+        key = ((b, c, h, w), kv, self.per_call) if self.family != "pixels" \
+            else tuple(latent_shape)
         if key in self._programs:
             return self._programs[key]
         split = self.split
@@ -689,6 +791,7 @@ class JaxVaeDecoder:
         state = self._state_shardings(first_abstract[1])
         outs = (self._rows(), state)
         first = jax.jit(self._trace(first_fn), out_shardings=outs).lower(self.params, z)
+        z = jax.ShapeDtypeStruct((b, c, self.per_call, h, w), dt, sharding=self._rows())
         s_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                              first_abstract[1], state)
         steady = jax.jit(self._trace(steady_fn), out_shardings=outs)
@@ -716,19 +819,24 @@ class JaxVaeDecoder:
             return np.asarray(first(self.params, self._put(z, self._rows())))
         chunks = []
         out, state = first(self.params, self._put(z[:, :, :1], self._rows()))
-        for i in range(1, z.shape[2]):  # host slices and transfers: no device op to compile
-            frame = self._put(z[:, :, i:i + 1], self._rows())
+        k, frames = self.per_call, z.shape[2]
+        for i in range(1, frames, k):  # host slices and transfers: no device op to compile
+            part = z[:, :, i:i + k]
+            if part.shape[2] < k:  # the clip's last frames: zeros after them change nothing
+                part = torch.cat([part, part.new_zeros(*part.shape[:2], k - part.shape[2],
+                                                       *part.shape[3:])], dim=2)
             previous = out
             if self.family == "wan":
-                out, state = steady(self.params, frame, state)
+                out, state = steady(self.params, self._put(part, self._rows()), state)
             else:
                 t = jax.device_put(np.int32(i), self._replicated())
-                out, state = steady(self.params, frame, state, t)
+                out, state = steady(self.params, self._put(part, self._rows()), state, t)
             # the previous chunk comes to the host while this call runs: at most two video
             # chunks are ever on the device (tpu.vae_aot's memory plan counts them)
             chunks.append(np.asarray(previous))
         chunks.append(np.asarray(out))
-        return np.concatenate(chunks, axis=2)
+        video = np.concatenate(chunks, axis=2)  # frame 0's, then out.shape[2] // k a frame
+        return video[:, :, :chunks[0].shape[2] + (frames - 1) * (out.shape[2] // k)]
 
     def compile_counts(self):
         return compile_counts()

@@ -75,7 +75,9 @@ def run(args) -> dict:
     from .vae import AXIS, ROWS, JaxVaeDecoder, split_plan
     rows, split = split_plan(latent_shape[3], latent_shape[4], len(devices))
     mesh = Mesh(np.array(devices[:rows]), (AXIS,))
-    decoder = JaxVaeDecoder(vae, mesh, abstract=True)
+    per_call = "auto" if args.frames_per_call is None else as_int(
+        "--frames_per_call", args.frames_per_call, minimum=1, expected="a positive integer")
+    decoder = JaxVaeDecoder(vae, mesh, abstract=True, frames_per_call=per_call)
     began = time.perf_counter()
     first, steady = decoder.prepare(tuple(latent_shape))
     seconds = time.perf_counter() - began
@@ -92,7 +94,8 @@ def run(args) -> dict:
             with open(os.path.join(args.hlo_dir, f"{name}.txt"), "w") as f:
                 f.write(compiled.as_text())
     steady_p = programs.get("steady")
-    calls = {"first": 1, "steady": frames - 1 if steady_p is not None else 0}
+    k = decoder.per_call
+    calls = {"first": 1, "steady": -(-(frames - 1) // k) if steady_p is not None else 0}
     roofline = sum(calls[n] * p.seconds(chip)["roofline"] for n, p in programs.items())
     # the same with each program's HBM bound from its HBM traffic (tpu.hbm)
     traffic = sum(calls[n] * p.seconds(chip, traffic=True)["roofline"]
@@ -102,7 +105,7 @@ def run(args) -> dict:
     # temporaries and outputs (the new state beside the old one: nothing is donated), and the
     # previous call's video chunk, which the host copies out while this call runs.
     video = (1, 3, 1 + pipe.vae_stride[0] * (frames - 1), size[0], size[1])
-    chunk = 3 * pipe.vae_stride[0] * size[0] * size[1] * 4 // rows  # float32, split
+    chunk = 3 * pipe.vae_stride[0] * k * size[0] * size[1] * 4 // rows  # float32, split
     peak = max(p.in_flight() for p in programs.values()) + chunk
     total = weights + peak
     report = {
@@ -111,6 +114,8 @@ def run(args) -> dict:
         "chip": {k: getattr(chip, k) for k in ("name", "hbm_bytes", "bf16_flops", "hbm_bandwidth",
                                                 "ici_bandwidth")},
         "devices": rows, "split": "rows" if split == ROWS else "columns", "chips": len(devices),
+        "strips": [decoder.strips.rows, decoder.strips.cols] if decoder.strips else [1, 1],
+        "frames_per_call": k,
         "dtype": args.dtype,
         "conv_operands": {t: n for n, t in DTYPES.items()}.get(decoder.operands, args.dtype),
         "size": size,
@@ -137,12 +142,19 @@ def dtype_label(r: dict) -> str:
     return r["dtype"] + (f", conv operands {ops}" if ops != r["dtype"] else "")
 
 
+def strips_label(r: dict) -> str:
+    """", each band as 4 x 2 strips" (`tpu.vae._Strips`); nothing for a band kept whole (and
+    for reports written before strips were recorded)."""
+    rows, cols = r.get("strips", (1, 1))
+    return f", each band as {rows} x {cols} strips" if rows * cols > 1 else ""
+
+
 def format_summary(r: dict) -> str:
     gib = 2**30
     m = r["memory"]
     lines = [f"{r['model']} decode ({r['vae']}, {dtype_label(r)}) on {r['topology']}: latents "
              f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
-             f"{r['devices']} of {r['chips']} chips",
+             f"{r['devices']} of {r['chips']} chips{strips_label(r)}",
              f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
              f"{'TFLOP':>7s} {'GB acc.':>8s} {'GB HBM':>7s} {'roofline ms':>11s} "
              f"{'(traffic)':>9s}  collectives"]
@@ -171,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", default=None, help="video height (default: the pipeline's)")
     p.add_argument("--width", default=None, help="video width (default: the pipeline's)")
     p.add_argument("--video_length", default=None, help="frames (default: the pipeline's)")
+    p.add_argument("--frames_per_call", default=None, help="latent frames a steady call decodes "
+                   "(Wan; default: tpu.vae.WAN_FRAMES_PER_CALL)")
     p.add_argument("--tiny", action="store_true", help="the tiny VAE of stage 3's random-weight "
                    "decode instead of the released size (a quick check of the compile path)")
     p.add_argument("--json", default=None, help="write the report here")
