@@ -72,31 +72,34 @@ DECODE_TRAFFIC = (
     "On a TPU the fp32 Wan decoders round each convolution's input and weight to bf16 in the "
     "program and sum in fp32 (`tpu.vae.conv_operand_dtype`): what the TPU's DEFAULT precision "
     "does to an fp32 convolution anyway, stated where the operands are made, so the weights, the "
-    "carried caches and every pad and relayout in front of a convolution move half the bytes. "
-    "Rows whose decode cell says \"conv operands bf16\" were compiled so; the other fp32 rows "
-    "before (the TI2V-5B v6e-8 row moved from 4.80 to 3.25 GiB per chip, 0.83 to 0.75 s by bytes "
-    "accessed and 0.56 to 0.44 s by traffic: 15.2% to 13.6% and 14.5% to 11.3% of the stage-2 "
-    "run). Where the TI2V-5B decode's HBM traffic goes (`python -m tpu.vae_aot --model "
-    "wan2.2-ti2v-5b --topology v6e:2x4 --hlo_dir D`, then `python -m tpu.hbm D/steady.txt`): "
-    "30.4 GB per steady call per chip with fp32 operands, 23.8 GB with bf16 ones. With fp32 "
-    "operands: loop fusions (the RMS norms, residual adds, the convolutions' input halos, the "
-    "upsamplers) 10.0 GB (33%), layout copies 8.3 GB (27%), the convolution fusions 6.3 GB (21%), "
-    "pads 1.8 GB (6%), the memory-space copies and slices 2.3 GB (8%). XLA runs each 3-D "
-    "convolution with the frame's width as 8 batches of 11 output columns (13 input columns with "
-    "their halo), so every convolution's input is padded and relaid out, and its output (fp32, "
-    "whatever the operands) copied back to the layout of the norm that reads it: the copies stay "
-    "7.1 GB with bf16 operands. That is not the column split: on 256 x 1280, split by rows (the "
-    "width whole on each chip) a steady call moves 9.05 GB and split by columns 8.58 GB, with the "
-    "same 8-way batches. Nor does folding the width taps into channels remove it (11.33 GB by "
-    "rows). The batches are libtpu's space-to-batch pass: with both "
-    "xla_tpu_run_space_to_batch=false and xla_tpu_run_space_to_batch_on_new_platforms=false "
-    "(either alone leaves the program as it was) one such convolution alone (256 channels, 4 "
-    "frames of 352 x 640 split by columns over v6e-8, bf16 operands) moves 0.44 GB instead of "
-    "1.32 GB, but compiles in 378 s instead of 28 s, and the whole decode (both programs) "
-    "had not compiled after 43 minutes when it was stopped (748 s with the pass). Whether a "
-    "TPU runs the unbatched convolution faster the "
-    "roofline cannot say (the pass exists to fill the matrix unit when the batch is 1): that "
-    "and the fp32 TI2V-5B decode's share stay to be measured on a slice.")
+    "carried caches and every convolution's input move half the bytes (\"conv operands bf16\" in "
+    "the decode cell). And each chip's band of the frame runs as a batch of at least 8 strips "
+    "(`tpu.vae.strip_grid`; the cell says the grid): of a convolution with a batch under 8, "
+    "libtpu's space-to-batch pass makes 8 batches of the frame's width, so every convolution's "
+    "input was padded and relaid out into them and its fp32 output copied back for the norm that "
+    "reads it (27% of the TI2V-5B decode's HBM traffic). Batches of 4 are still cut, of 8 not; "
+    "turning the pass off by flags instead cut one convolution's traffic by two thirds but its "
+    "compile from 28 to 378 s, and the whole decode did not compile in 43 minutes. Each strip's "
+    "zero padding is its halo, gathered by strip index from the neighbours' border lines "
+    "(collective-permutes of those lines between chips) and written with the strip once; the "
+    "upsamplers' 3x3 convolutions run as 1x3x3 3-D ones without folding the frames into the "
+    "batch, and Wan2.2's shortcut upsampler repeats pixels instead of transposing its output. "
+    "The TI2V-5B fp32 decode on v6e-8, per steady call per chip (`python -m tpu.vae_aot --model "
+    "wan2.2-ti2v-5b --topology v6e:2x4 --hlo_dir D`, then `python -m tpu.hbm D/steady.txt`), GB "
+    "accessed / GB of HBM traffic: 45.0 / 30.4 with fp32 operands, 40.2 / 23.8 with bf16 ones, "
+    "36.0 / 18.6 as 4 x 2 strips a chip, 31.9 / 16.0 with the upsamplers reformulated, 25.3 / "
+    "9.2 with the halo written once (its first form split the batch axis into the strip grid, "
+    "and XLA relaid the strips out several times a convolution): 15.5 ms a call by bytes "
+    "accessed, 9.1 ms by traffic, where the 8.35 TFLOP of the call bound it. The whole decode "
+    "went from 0.75 s to 0.47 s (13.6% to 8.5% of the stage-2 run) by bytes accessed and 0.44 s "
+    "to 0.28 s (11.3% to 7.2%) by traffic, 289 to 253 TFLOP (the width is no longer padded to "
+    "8 x 11 columns), 3.25 to 2.69 GiB per chip, and its compile from 748 to 379 s. The A14B "
+    "decode (9 x 1 strips) went from 0.69 / 0.42 s to 0.61 / 0.22 s, with 3.5 GiB of "
+    "temporaries per chip instead of 1.5. Two latent frames per steady call (`--frames_per_call "
+    "2`, measured before the halo's last form): 25.6 GB accessed a frame against 31.9, but 18.5 "
+    "GB of traffic against 16.0, so one stays the default. Whether a TPU runs these programs as "
+    "the roofline says, and whether its numbers equal the fp32 program's, stay to be measured "
+    "on a slice.")
 CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
 V5_BLOCKS = ("v5e and v5p compile splash with 1024-row query blocks (tpu/attention.py "
              "BLOCKS_BY_KIND): the stock 2048-row blocks ask 17.5 MiB (v5e) and 21.6 MiB (v5p) "
@@ -169,7 +172,8 @@ def decode_lines(only, rerun: bool) -> list[str]:
         "runs it on JAX (a first program for latent frame 0, a steady one for each further latent",
         "frame with the causal caches carried; the frame split by rows, or by columns where the",
         "rows do not divide, over the largest divisor of the chip count that divides them:",
-        "`tpu.vae.split_plan`), in fp32 as stage 3's default unless the row says bf16, compiled for",
+        "`tpu.vae.split_plan`, and for Wan each chip's band run as a batch of strips:",
+        "`tpu.vae.strip_grid`), in fp32 as stage 3's default unless the row says bf16, compiled for",
         "the slice. Per chip: GiB of the whole decode (weights, carried caches and inputs, the",
         "program's temporaries and outputs, and the previous video chunk on its way to the host),",
         "TFLOP of the whole clip, the steady program's roofline (its bound), the clip's roofline",
@@ -195,11 +199,11 @@ def decode_lines(only, rerun: bool) -> list[str]:
             report = run_row(name, row_args, rerun, "tpu.vae_aot")
         s2 = OUT / f"{stage2_name}.json"
         lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
-    lines += ["", "Compile seconds: on this 2-core machine. The Wan2.2 rows were compiled on "
-              "2026-11-26, alone or beside one other job (the TI2V-5B v6e fp32 and bf16 rows "
-              "748 and 1093 s, against 2573 and 5298 s beside other jobs before); the "
-              "HunyuanVideo-1.5 row beside other jobs (load average 5-8). That older report "
-              "counts the encoder's weights too in GiB per chip.", "", DECODE_TRAFFIC]
+    lines += ["", "Compile seconds: on this 2-core machine. The Wan rows were compiled on "
+              "2026-11-26 evening, as strips, two at a time (before, alone, the TI2V-5B v6e fp32 "
+              "and bf16 rows took 748 and 1093 s; 2573 and 5298 s beside other jobs before "
+              "that); the HunyuanVideo-1.5 row beside other jobs (load average 5-8). That older "
+              "report counts the encoder's weights too in GiB per chip.", "", DECODE_TRAFFIC]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--decode_only --only {','.join(missing)}` adds them."]

@@ -67,6 +67,8 @@ def test_command_refuses_bad_input_before_any_compile(capsys):
         (("--model", "wan-tiny-s2v", "--topology", "v6e:1x1"), "clip by clip"),
         (("--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--hlo_dir", "/dev/null/hlo"),
          "--hlo_dir /dev/null/hlo"),
+        (("--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--frames_per_call", "0"),
+         "--frames_per_call"),
     ]:
         assert vae_aot.main(list(args)) == 2, args
         assert message in capsys.readouterr().err, args

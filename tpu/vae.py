@@ -1,6 +1,6 @@
 """Stage 3 on JAX: the diffusers video VAEs' decoders as static programs, traced through torchax
-from the same torch modules, one latent frame per call with the causal caches carried between
-calls as explicit inputs and outputs.
+from the same torch modules, a latent frame per call (Wan: or a few) with the causal caches
+carried between calls as explicit inputs and outputs.
 
 Two programs per decode, compiled ahead of the loop (`prepare`): the first latent frame (it
 decodes to one video frame: the temporal upsamplers skip it) and a steady frame (four video
@@ -12,7 +12,11 @@ loop calls the compiled executables, so it can compile nothing.
         frame, after frame 1 two, and 3-D upsamplers hold "Rep" (no cache yet). The first program
         returns every entry as 2 frames, a zero frame in front (and zeros for "Rep"): a causal
         conv pads time with zeros, so the steady program, given those, computes what diffusers'
-        second call does, and from then on the shapes are fixed.
+        second call does, and from then on the shapes are fixed. A steady call may take several
+        latent frames (`frames_per_call`: the convs are causal, so the last call's missing
+        frames are zeros and their video is dropped); default one (WAN_FRAMES_PER_CALL: on
+        v6e-8 two moved fewer bytes accessed per frame but more HBM traffic, measured before
+        the halo took its present form).
     HunyuanVideo-1.5 VAE (AutoencoderKLHunyuanVideo15): diffusers decodes the whole clip at once.
         Its convs pad time with the first frame replicated and its mid-block attention is
         frame-causal over every earlier latent frame, so the chunked decode carries each causal
@@ -47,6 +51,10 @@ the width, and every conv's input is padded and relaid out into them and its out
 (about a quarter of the TI2V-5B decode's HBM traffic); one such conv with the width taken off the
 pass (its spatial order changed) compiled 7x slower, as a batch of 8 strips it compiles faster
 than before. Elsewhere a band is one strip (a grid of 1 x 1: on one device, the whole frame).
+With the strips go two reformulations (the same numbers, fewer relayouts on a TPU): the
+upsamplers' 3x3 convs run on [B, C, T, h, w] as 1x3x3 3-D convs (diffusers folds the frames into
+the batch around them), and Wan2.2's shortcut upsampler (DupUp3D) moves channels into frames and
+repeats pixels instead of transposing its whole output.
 """
 
 from __future__ import annotations
@@ -179,18 +187,16 @@ def _wan_conv(m, x, cache_x=None, operands=None, strips=None):
 
 
 def _conv2d(m, x, operands=None, strips=None):
-    """nn.Conv2d (the 2-D upsamplers' convs on [strips * frames, C, h, w], the mid-block
-    attention's 1x1 projections) through `_conv`, its zero padding (by a number per side, as
-    every Wan decoder's Conv2d pads) as each strip's halo."""
+    """nn.Conv2d (the mid-block attention's 1x1 projections, on the joined frame; the
+    upsamplers' 3x3 convs go through `_wan_resample`) through `_conv`, which pads with zeros by
+    a number per side (every Wan decoder's Conv2d does)."""
     if m.padding_mode != "zeros" or isinstance(m.padding, str):
         raise ValueError(f"the Wan decode's 2-D convs take zero padding by numbers; this Conv2d "
                          f"pads {m.padding!r} in mode {m.padding_mode!r}")
-    padding = tuple(m.padding)
-    if strips is not None and any(padding):  # [strips * frames, C, h, w]: frames into channels
-        n, c, h, w = x.shape
-        x = strips.torch("halo", x.reshape(strips.batch, -1, h, w), ph=padding[0], pw=padding[1])
-        x, padding = x.reshape(n, c, *x.shape[-2:]), (0, 0)
-    return _conv(x, m.weight, m.bias, m.stride, padding, m.dilation, m.groups, operands)
+    if strips is not None and any(m.padding):
+        raise ValueError(f"a padded Conv2d ({m.padding!r}) outside a Wan upsampler; on strips "
+                         "only the upsamplers' (`_wan_resample`) take a halo")
+    return _conv(x, m.weight, m.bias, m.stride, tuple(m.padding), m.dilation, m.groups, operands)
 
 
 def _wan_resample(m, x, feat_cache=None, feat_idx=(0,), *, operands=None, strips=None):
@@ -202,18 +208,18 @@ def _wan_resample(m, x, feat_cache=None, feat_idx=(0,), *, operands=None, strips
         return type(m).forward(m, x, feat_cache, feat_idx)
     resample = m.resample
     up, conv = resample
+    if tuple(up.scale_factor) != (2.0, 2.0) or up.mode != "nearest-exact":
+        raise ValueError(f"a Wan upsampler scales 2x by nearest-exact; this one {up.mode} "
+                         f"{up.scale_factor}")
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        raise ValueError(f"a Wan upsampler's conv pads with zeros by numbers; this one pads "
+                         f"{conv.padding!r} in mode {conv.padding_mode!r}")
     m._modules["resample"] = torch.nn.Identity()
     try:
         x = type(m).forward(m, x, feat_cache, feat_idx)
     finally:
         m._modules["resample"] = resample
-    if tuple(up.scale_factor) != (2.0, 2.0) or up.mode != "nearest-exact":
-        raise ValueError(f"a Wan upsampler scales 2x by nearest-exact; this one {up.mode} "
-                         f"{up.scale_factor}")
     x = _wan_upsample(up, x)
-    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-        raise ValueError(f"a Wan upsampler's conv pads with zeros by numbers; this one pads "
-                         f"{conv.padding!r} in mode {conv.padding_mode!r}")
     ph, pw = conv.padding
     if operands is not None:
         x = x.to(operands)
@@ -256,11 +262,9 @@ def _wan_attention(m, x, strips):
 
 
 def _wan_upsample(m, x):
-    """WanUpsample (nearest-exact, 2x) as each pixel repeated: the same numbers, but rows
-    split over devices stay where they are, where XLA's lowering of the index gather first
-    all-gathers the whole frame onto every device."""
-    if tuple(m.scale_factor) != (2.0, 2.0) or m.mode != "nearest-exact":
-        return type(m).forward(m, x)
+    """WanUpsample (nearest-exact, 2x; `_wan_resample` checks) as each pixel repeated: the same
+    numbers, on [B, C, T, h, w] too, where XLA's lowering of the index gather moves the frame
+    (split over devices, it first all-gathered the whole frame onto every device)."""
     return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
 
 
@@ -409,17 +413,17 @@ class _Strips:
 
 @contextlib.contextmanager
 def _wan_routes(vae, operands=None, strips=None):
-    """The decoder's causal convs, 2-D convs, upsamplers, resamplers and Wan2.2's shortcut
-    upsamplers routed through `_wan_conv`/`_conv2d`/`_wan_upsample`/`_wan_resample`/
-    `_wan_dup_up`, its mid-block attention through `_wan_attention` (the post-quant conv is a
-    causal 1x1x1 conv outside the decoder)."""
+    """The decoder's causal convs, 2-D convs, resamplers and Wan2.2's shortcut upsamplers
+    routed through `_wan_conv`/`_conv2d`/`_wan_resample`/`_wan_dup_up`, its mid-block attention
+    through `_wan_attention` (the post-quant conv is a causal 1x1x1 conv outside the
+    decoder)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import (
-        DupUp3D, WanAttentionBlock, WanResample, WanUpsample)
+        DupUp3D, WanAttentionBlock, WanResample)
 
     causal, conv2d = _wan_conv_types()
     routes = {causal: functools.partial(_wan_conv, operands=operands, strips=strips),
               conv2d: functools.partial(_conv2d, operands=operands, strips=strips),
-              WanUpsample: _wan_upsample, DupUp3D: _wan_dup_up,
+              DupUp3D: _wan_dup_up,
               WanResample: functools.partial(_wan_resample, operands=operands, strips=strips)}
     if strips is not None:
         routes[WanAttentionBlock] = functools.partial(_wan_attention, strips=strips)

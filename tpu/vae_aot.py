@@ -52,6 +52,8 @@ def run(args) -> dict:
         value = getattr(args, flag)
         size.append(default if value is None else as_int(f"--{flag}", value, minimum=1,
                                                           expected="a positive integer"))
+    per_call = "auto" if args.frames_per_call is None else as_int(
+        "--frames_per_call", args.frames_per_call, minimum=1, expected="a positive integer")
     try:
         latent_shape = pipe.latent_shape(*size)
     except SizeError as exc:
@@ -75,8 +77,6 @@ def run(args) -> dict:
     from .vae import AXIS, ROWS, JaxVaeDecoder, split_plan
     rows, split = split_plan(latent_shape[3], latent_shape[4], len(devices))
     mesh = Mesh(np.array(devices[:rows]), (AXIS,))
-    per_call = "auto" if args.frames_per_call is None else as_int(
-        "--frames_per_call", args.frames_per_call, minimum=1, expected="a positive integer")
     decoder = JaxVaeDecoder(vae, mesh, abstract=True, frames_per_call=per_call)
     began = time.perf_counter()
     first, steady = decoder.prepare(tuple(latent_shape))
