@@ -91,8 +91,8 @@ DECODE_TRAFFIC = (
     "9.2 with the halo written once (its first form split the batch axis into the strip grid, "
     "and XLA relaid the strips out several times a convolution): 15.5 ms a call by bytes "
     "accessed, 9.1 ms by traffic, where the 8.35 TFLOP of the call bound it. The whole decode "
-    "went from 0.75 s to 0.47 s (13.6% to 8.5% of the stage-2 run) by bytes accessed and 0.44 s "
-    "to 0.28 s (11.3% to 7.2%) by traffic, 289 to 253 TFLOP (the width is no longer padded to "
+    "went from 0.75 s to 0.47 s (13.6% to 8.6% of the stage-2 run) by bytes accessed and 0.44 s "
+    "to 0.28 s (11.3% to 7.1%) by traffic, 289 to 253 TFLOP (the width is no longer padded to "
     "8 x 11 columns), 3.25 to 2.69 GiB per chip, and its compile from 748 to 379 s. The A14B "
     "decode (9 x 1 strips) went from 0.69 / 0.42 s to 0.61 / 0.22 s, with 3.5 GiB of "
     "temporaries per chip instead of 1.5. Two latent frames per steady call (`--frames_per_call "
@@ -202,8 +202,9 @@ def decode_lines(only, rerun: bool) -> list[str]:
     lines += ["", "Compile seconds: on this 2-core machine. The Wan rows were compiled on "
               "2026-11-26 evening, as strips, two at a time (before, alone, the TI2V-5B v6e fp32 "
               "and bf16 rows took 748 and 1093 s; 2573 and 5298 s beside other jobs before "
-              "that); the HunyuanVideo-1.5 row beside other jobs (load average 5-8). That older "
-              "report counts the encoder's weights too in GiB per chip.", "", DECODE_TRAFFIC]
+              "that); the HunyuanVideo-1.5 v6e-8 row earlier beside other jobs (load average "
+              "5-8; that older report counts the encoder's weights too in GiB per chip), its "
+              "v5e-8 and v5p-4 rows that evening beside one other job.", "", DECODE_TRAFFIC]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--decode_only --only {','.join(missing)}` adds them."]
