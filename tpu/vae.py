@@ -181,9 +181,18 @@ def _wan_conv(m, x, cache_x=None, operands=None, strips=None):
         x = torch.cat([cache_x.to(device=x.device, dtype=x.dtype), x], dim=2)
         pt -= cache_x.shape[2]
     x = F.pad(x, (0, 0, 0, 0, pt, 0))
+    return _padded_conv(x, m.weight, m.bias, m.stride, ph, pw, m.dilation, m.groups, operands,
+                        strips)
+
+
+def _padded_conv(x, weight, bias, stride, ph, pw, dilation, groups, operands, strips):
+    """`_conv` of [B, C, T, h, w] with `ph` rows and `pw` columns of zero padding, on strips as
+    each strip's halo (made of operands already rounded)."""
+    if operands is not None:
+        x = x.to(operands)
     if strips is not None and (ph or pw):
-        x, ph, pw = strips.torch("halo", x, ph=ph, pw=pw), 0, 0
-    return _conv(x, m.weight, m.bias, m.stride, (0, ph, pw), m.dilation, m.groups, operands)
+        x, ph, pw = strips.torch(strips.halo, x, ph=ph, pw=pw), 0, 0
+    return _conv(x, weight, bias, stride, (0, ph, pw), dilation, groups, operands)
 
 
 def _conv2d(m, x, operands=None, strips=None):
@@ -219,14 +228,11 @@ def _wan_resample(m, x, feat_cache=None, feat_idx=(0,), *, operands=None, strips
         x = type(m).forward(m, x, feat_cache, feat_idx)
     finally:
         m._modules["resample"] = resample
-    x = _wan_upsample(up, x)
-    ph, pw = conv.padding
-    if operands is not None:
-        x = x.to(operands)
-    if strips is not None and (ph or pw):
-        x, ph, pw = strips.torch("halo", x, ph=ph, pw=pw), 0, 0
-    return _conv(x, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), (0, ph, pw),
-                 (1, *conv.dilation), conv.groups, operands)
+    # each pixel repeated (nearest-exact 2x): where XLA lowers the index gather by moving the
+    # frame (split over devices, it first all-gathered the whole frame onto every device)
+    x = x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+    return _padded_conv(x, conv.weight.unsqueeze(2), conv.bias, (1, *conv.stride), *conv.padding,
+                        (1, *conv.dilation), conv.groups, operands, strips)
 
 
 def _wan_dup_up(m, x, first_chunk=False):
@@ -257,15 +263,8 @@ def _wan_dup_up(m, x, first_chunk=False):
 
 def _wan_attention(m, x, strips):
     """WanAttentionBlock (each frame's pixels attend to each other) on the whole frame."""
-    frame = type(m).forward(m, strips.torch("join", x))
-    return strips.torch("cut", frame)
-
-
-def _wan_upsample(m, x):
-    """WanUpsample (nearest-exact, 2x; `_wan_resample` checks) as each pixel repeated: the same
-    numbers, on [B, C, T, h, w] too, where XLA's lowering of the index gather moves the frame
-    (split over devices, it first all-gathered the whole frame onto every device)."""
-    return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+    frame = type(m).forward(m, strips.torch(strips.join, x))
+    return strips.torch(strips.cut, frame)
 
 
 # --- Wan: the frame as strips on the batch axis ----------------------------------------------
@@ -349,39 +348,25 @@ class _Strips:
         jnp = jax.numpy
 
         def local(x):
-            def columns(part, left, right):  # with the column halo in front and behind
-                return part if pw == 0 else jnp.concatenate([left, part, right], axis=-1)
-
             left, right = self._lines(x, pw, -1, 1, self.split == COLUMNS)
-            middle = columns(x, left, right)
-            if ph == 0:
-                return middle
-            h = x.shape[-2]
-
-            def rows(a, b):  # rows a:b of each strip with its column halo (the corners)
-                cut = functools.partial(jax.lax.slice_in_dim, start_index=a, limit_index=b,
-                                        axis=-2)
-                return columns(cut(x), *((cut(left), cut(right)) if pw else (None, None)))
-
-            up, down = self._lines(None, ph, -2, 0, self.split == ROWS,
-                                   edges=(rows(0, ph), rows(h - ph, h)))
-            return jnp.concatenate([up, middle, down], axis=-2)
+            if pw:
+                x = jnp.concatenate([left, x, right], axis=-1)
+            # the rows' halo from the strips with their columns': the corners come with it
+            up, down = self._lines(x, ph, -2, 0, self.split == ROWS)
+            return x if ph == 0 else jnp.concatenate([up, x, down], axis=-2)
         return self._local(local, False, False)(x)
 
-    def _lines(self, x, width: int, dim: int, along: int, across: bool, edges=None):
-        """(before, after): for each strip, the `width` lines of dimension `dim` in front of it
-        (its previous neighbour's last ones) and behind it (the next one's first ones), the
-        neighbours along the grid's columns (along=1) or rows (0); across: at the band's edge
-        from the adjacent devices, else zeros. edges: each strip's (first, last) lines, where
-        they are not x's."""
+    def _lines(self, x, width: int, dim: int, along: int, across: bool):
+        """(before, after): for each strip of x, the `width` lines of dimension `dim` in front
+        of it (its previous neighbour's last ones) and behind it (the next one's first ones),
+        the neighbours along the grid's columns (along=1) or rows (0); across: at the band's
+        edge from the adjacent devices, else zeros."""
         jnp = jax.numpy
         if width == 0:
             return None, None
-        if edges is None:
-            size = x.shape[dim]
-            edges = (jax.lax.slice_in_dim(x, 0, width, axis=dim),
-                     jax.lax.slice_in_dim(x, size - width, size, axis=dim))
-        first, last = edges
+        size = x.shape[dim]
+        first = jax.lax.slice_in_dim(x, 0, width, axis=dim)
+        last = jax.lax.slice_in_dim(x, size - width, size, axis=dim)
         # strip ids [position along the neighbours' axis, the other axis]
         grid = np.arange(self.rows * self.cols).reshape(self.rows, self.cols)
         grid = grid if along == 0 else grid.T
@@ -404,11 +389,12 @@ class _Strips:
         return (jnp.take(jnp.concatenate([last, into, zero]), before, axis=0),
                 jnp.take(jnp.concatenate([first, outof, zero]), after, axis=0))
 
-    def torch(self, method: str, x, **kwargs):
-        """One of the above on a torch tensor of the trace."""
+    @staticmethod
+    def torch(fn, x, **kwargs):
+        """fn (one of the above) on a torch tensor of the trace."""
         from torchax.interop import call_jax
 
-        return call_jax(functools.partial(getattr(self, method), **kwargs), x)
+        return call_jax(functools.partial(fn, **kwargs), x)
 
 
 @contextlib.contextmanager
@@ -502,7 +488,7 @@ def _wan_steady(vae, z, state, operands=None, strips=None):
 
 
 def _cut(z, strips):
-    return z if strips is None else strips.torch("cut", z)
+    return z if strips is None else strips.torch(strips.cut, z)
 
 
 def _stored(state, operands):
@@ -516,7 +502,7 @@ def _wan_video(vae, out, strips=None):
     if vae.config.patch_size is not None:
         out = unpatchify(out, patch_size=vae.config.patch_size)
     out = torch.clamp(out, min=-1.0, max=1.0)
-    return out if strips is None else strips.torch("join", out)
+    return out if strips is None else strips.torch(strips.join, out)
 
 
 # --- HunyuanVideo-1.5: conv caches and the mid-block K/V carried by hand ------------------------
@@ -829,18 +815,19 @@ class JaxVaeDecoder:
             if part.shape[2] < k:  # the clip's last frames: zeros after them change nothing
                 part = torch.cat([part, part.new_zeros(*part.shape[:2], k - part.shape[2],
                                                        *part.shape[3:])], dim=2)
-            previous = out
+            previous, part = out, self._put(part, self._rows())
             if self.family == "wan":
-                out, state = steady(self.params, self._put(part, self._rows()), state)
+                out, state = steady(self.params, part, state)
             else:
                 t = jax.device_put(np.int32(i), self._replicated())
-                out, state = steady(self.params, self._put(part, self._rows()), state, t)
+                out, state = steady(self.params, part, state, t)
             # the previous chunk comes to the host while this call runs: at most two video
             # chunks are ever on the device (tpu.vae_aot's memory plan counts them)
             chunks.append(np.asarray(previous))
-        chunks.append(np.asarray(out))
-        video = np.concatenate(chunks, axis=2)  # frame 0's, then out.shape[2] // k a frame
-        return video[:, :, :chunks[0].shape[2] + (frames - 1) * (out.shape[2] // k)]
+        last = np.asarray(out)
+        padded = -(frames - 1) % k  # the zero latent frames of the last call
+        chunks.append(last[:, :, :last.shape[2] - padded * (last.shape[2] // k)])
+        return np.concatenate(chunks, axis=2)
 
     def compile_counts(self):
         return compile_counts()
