@@ -521,7 +521,8 @@ def budget_profile(wl: Workload, path: str) -> dict:
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     candidates = calibrate.measure_space(
         lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, draws, wl.shape,
-        steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift, space=budget.SPACE)
+        steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift,
+        space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
     block = calibrate.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
                                    steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})

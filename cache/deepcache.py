@@ -4,6 +4,9 @@ Steps before `start` and from `end` on compute; inside [start, end) every `inter
 (start, start + interval, ...) refreshes the cache and the others reuse it. The whole plan is
 known before the loop, so it needs no signal and no device read per step. HunyuanVideo-1.5's
 11/45/4 over 50 steps computes 25 steps: 0-10, 11, 15, ..., 43, 45-49.
+
+`steps` names the computed steps outright instead (a schedule chosen offline, such as budgeted
+mode's calibrated static schedules, sampling/budget.py); start, end and interval are then unused.
 """
 
 from __future__ import annotations
@@ -22,8 +25,21 @@ class DeepCacheConfig:
     start: int = 11
     end: int = 45
     interval: int = 4
+    steps: tuple[int, ...] = ()  # the computed steps; empty = the start/end/interval pattern
 
     def __post_init__(self):
+        steps = self.steps
+        if isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__"):
+            raise ConfigError(f"DeepCacheConfig.steps must list the computed steps, got {steps!r}",
+                              field="DeepCacheConfig.steps", value=steps,
+                              expected="distinct step indices >= 0")
+        steps = tuple(steps)
+        if len(set(steps)) != len(steps) or not all(
+                type(step) is int and step >= 0 for step in steps):
+            raise ConfigError(f"DeepCacheConfig.steps must be distinct step indices >= 0, got "
+                              f"{steps}", field="DeepCacheConfig.steps", value=steps,
+                              expected="distinct step indices >= 0")
+        object.__setattr__(self, "steps", tuple(sorted(steps)))
         check_int("DeepCacheConfig", "start", self.start)
         check_int("DeepCacheConfig", "end", self.end)
         check_int("DeepCacheConfig", "interval", self.interval, minimum=1)
@@ -33,6 +49,8 @@ class DeepCacheConfig:
                               expected=f"a step >= the start step {self.start}")
 
     def reuses(self, step: int) -> bool:
+        if self.steps:
+            return step not in self.steps
         return self.start <= step < self.end and (step - self.start) % self.interval != 0
 
 

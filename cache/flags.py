@@ -81,6 +81,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cache_start_step", type=int, help=d(DeepCacheConfig, "start"))
     g.add_argument("--cache_end_step", type=int, help=d(DeepCacheConfig, "end"))
     g.add_argument("--cache_step_interval", type=int, help=d(DeepCacheConfig, "interval"))
+    g.add_argument("--cache_steps", type=_ids,
+                   help="comma-separated steps that compute (a schedule chosen offline, such as "
+                        "budgeted mode's static schedules); replaces start, end and interval")
 
     g = parser.add_argument_group("caching: TeaCache")
     g.add_argument("--teacache_thresh", type=float, help="(default: a poly profile's own threshold, "
@@ -185,6 +188,7 @@ FIELD_FLAGS = {
     "DeepCacheConfig.start": ("--cache_start_step", "cache_start_step"),
     "DeepCacheConfig.end": ("--cache_end_step", "cache_end_step"),
     "DeepCacheConfig.interval": ("--cache_step_interval", "cache_step_interval"),
+    "DeepCacheConfig.steps": ("--cache_steps", "cache_steps"),
     "TeaCacheConfig.threshold": ("--teacache_thresh", "teacache_thresh"),
     "TeaCacheConfig.policy": ("--teacache_policy", "teacache_policy"),
     "TeaCacheConfig.signal": ("--teacache_signal", "teacache_signal"),
@@ -317,6 +321,11 @@ def _config_from_args(args: argparse.Namespace, fields: dict | None = None) -> C
     techniques = {}
     for name, fields in specific.items():
         given = {k: v for k, (_, v) in fields.items() if v is not None}
+        pattern = sorted(k for k in ("start", "end", "interval") if k in given)
+        if "steps" in given and pattern:
+            raise ConfigError(f"--cache_steps names the computed steps; "
+                              f"{', '.join(fields[k][0] for k in pattern)} would be ignored: "
+                              "give one or the other")
         if given and not on[name]:
             flags = ", ".join(fields[k][0] for k in given)
             raise ConfigError(f"{flags} given but {name} is not enabled; add --{name} "

@@ -253,7 +253,8 @@ def run(args) -> dict:
             return JaxBackend(models, plan)
 
         candidates = measure_space(make_backend, pipe, tensors, shape, steps=steps,
-                                   solver=pipe.solver, shift=pipe.shift, space=budget.SPACE,
+                                   solver=pipe.solver, shift=pipe.shift,
+                                   space=budget.space(pipe.solver, steps, pipe.shift),
                                    log=lambda line: print(line, flush=True))
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)

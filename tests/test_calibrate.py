@@ -142,6 +142,49 @@ def test_choose_takes_the_cheapest_configuration_whose_bound_keeps_the_budget():
         choose(budget, rel_err=0.1, speedup=2.0)
 
 
+def test_a_configuration_that_never_skipped_is_not_a_choice():
+    """Issue 39: on trained weights a strict threshold computes every block on every draw; its
+    error is 0 and its bound too, and it was chosen and reported as a technique."""
+    from sampling.budget import choose
+    idle = candidate("idle", [0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
+    cheap = candidate("cheap", [4e-3, 5e-3, 4.5e-3], [0.3, 0.35, 0.3])
+    assert choose({"candidates": [idle]}, rel_err=1e-3) is None
+    assert choose({"candidates": [idle, cheap]}, rel_err=1e-3) is None
+    assert choose({"candidates": [idle, cheap]}, rel_err=0.1).label == "cheap"
+    # one draw that skipped is enough to count as caching
+    some = candidate("some", [0.0, 1e-4, 0.0], [1.0, 0.98, 1.0])
+    assert choose({"candidates": [some]}, rel_err=1e-3).label == "some"
+
+
+def test_the_static_schedules_budgeted_mode_measures():
+    from cache.flags import config_from_fields
+    from sampling.budget import SPACE, every_nth, paced, space, static_schedules
+    from sampling.schedulers import make_scheduler
+    assert every_nth(10, 3, 2, 2) == (0, 1, 2, 5, 8, 9)
+    assert every_nth(10, 4, 1, 1) == (0, 1, 5, 9)
+    sigmas = [float(s) for s in make_scheduler("unipc", 50, 5.0).sigmas]
+    # pace 0 spaces the steps evenly in step index; a positive pace crowds the late steps,
+    # which the shift makes the large ones
+    even = paced(sigmas, 9, 0.0, 2, 1)
+    assert even == (0, 1, 2, 8, 14, 20, 26, 32, 38, 44, 49)
+    late = paced(sigmas, 9, 0.5, 2, 1)
+    assert len(late) == len(even) and late[:3] == (0, 1, 2) and late[-1] == 49
+    gaps = [b - a for a, b in zip(late[2:], late[3:])]
+    assert gaps[0] > gaps[-1] and gaps == sorted(gaps, reverse=True)
+    schedules = static_schedules(sigmas)
+    assert space("unipc", 50, 5.0) == SPACE + schedules
+    chosen = [tuple(f["deepcache"]["steps"]) for _, f in schedules]
+    assert len(set(chosen)) == len(chosen), "a schedule measured twice"
+    assert all(s[0] == 0 and s[-1] == 49 and len(s) < 50 for s in chosen)
+    fractions = sorted(len(s) / 50 for s in chosen)
+    assert fractions[0] <= 0.24 and fractions[-1] >= 0.52
+    for label, fields in schedules:
+        config = config_from_fields(fields)
+        assert (config.probe_blocks, config.tail_blocks, config.forecast) == (0, 0, 1), label
+        assert [not config.deepcache.reuses(i) for i in range(50)] == [
+            i in fields["deepcache"]["steps"] for i in range(50)]
+
+
 def test_a_budget_profile_it_cannot_use_is_refused(tmp_path):
     from sampling.budget import BudgetError, load
     old = tmp_path / "old.json"
@@ -171,7 +214,7 @@ def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_p
                                                                           model):
     from commands.stage2 import build_parser, run
     from sampling import budget
-    monkeypatch.setattr(budget, "SPACE", SMALL_SPACE)
+    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
     path = tmp_path / "profile.json"
     assert calibrate.main(["--model", model, "--samples", "2", "--first_seed", "1",
                            "--num_inference_steps", "12", "--budget", "--out", str(path)]) == 0

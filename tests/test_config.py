@@ -18,6 +18,8 @@ from cache import CMConfig, ConfigError, DeepCacheConfig, FBCacheConfig, LimitsC
     (lambda: FBCacheConfig(ema=1.0), ["FBCacheConfig.ema", "< 1.0"]),
     (lambda: DeepCacheConfig(start=20, end=10), ["end (10) must be >= start (20)"]),
     (lambda: DeepCacheConfig(interval=0), ["DeepCacheConfig.interval", ">= 1"]),
+    (lambda: DeepCacheConfig(steps=(0, 2, 2)), ["DeepCacheConfig.steps", "distinct"]),
+    (lambda: DeepCacheConfig(steps="0,2"), ["DeepCacheConfig.steps", "must list"]),
     (lambda: LimitsConfig(max_cached=-1), ["LimitsConfig.max_cached"]),
     (lambda: CMConfig(warmup=1.5), ["CMConfig.warmup", "integer"]),
     (lambda: CMConfig(cfg_mode="parallel"), ["CMConfig.cfg_mode", "cond_authoritative"]),

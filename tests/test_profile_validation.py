@@ -34,7 +34,7 @@ def written(tmp_path_factory):
     """A profile as `python -m commands.calibrate --budget` writes it (the real writer)."""
     path = tmp_path_factory.mktemp("calibrated") / "profile.json"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(budget, "SPACE", SMALL_SPACE)
+        mp.setattr(budget, "space", lambda *_: SMALL_SPACE)
         assert calibrate.main(["--model", MODEL, "--samples", "2", "--num_inference_steps",
                                str(STEPS), "--degree", "2", "--budget", "--out", str(path)]) == 0
     profile = json.loads(path.read_text())
@@ -77,7 +77,8 @@ def test_a_freshly_written_profile_loads_as_both_kinds(tmp_path, written):
 def test_the_shipped_budget_profiles_load():
     for family in ("wan", "hunyuan"):
         measured = budget.load(str(ROOT / f"bench/results/pareto/budget_profile_{family}.json"))
-        assert len(measured["candidates"]) == len(budget.SPACE)
+        # every shipped configuration was measured (the static schedules came later: issue 39)
+        assert {label for label, _ in budget.SPACE} <= {c["label"] for c in measured["candidates"]}
 
 
 @pytest.mark.parametrize("change", [
