@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench import pareto  # noqa: E402
+from bench import pareto_report as report  # noqa: E402
+from bench import pareto_workload as pw
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from cache.manager import CacheManager  # noqa: E402
 from cache.residuals import extrapolation_weights  # noqa: E402
@@ -52,11 +53,11 @@ def residuals(family) -> tuple[dict, dict]:
             kept[decision.step] = (image_stream(after) - image_stream(before), image_stream(probe))
         return update(self, decision, before, after, probe, tail)
 
-    wl = pareto.build_workload(family)
+    wl = pw.build_workload(family)
     CacheManager.update = keep
     try:
-        pareto.run_ours(wl, CMConfig(fbcache=FBCacheConfig(
-            threshold=0.0, metric="residual_tensor_rel_l1")), pareto.our_counter(wl))
+        pw.run_ours(wl, CMConfig(fbcache=FBCacheConfig(
+            threshold=0.0, metric="residual_tensor_rel_l1")), pw.our_counter(wl))
     finally:
         CacheManager.update = update
     return {s: r for s, (r, _) in kept.items()}, {s: p for s, (_, p) in kept.items()}
@@ -106,12 +107,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    fams = pareto.families(30, 30)
+    fams = pw.families(30, 30)
     lines = ["# Block 0's residual as a stand-in for the reused residual (issue 17)", "",
              f"Reproduce: `python bench/forecast_signals.py"
              f"{'' if args.families == 'wan,hunyuan' else ' --families ' + args.families}` "
              f"(bench/pareto.py's workload, one uncached run per family, cond branch; "
-             f"{pareto.machine()}).", ""]
+             f"{report.machine()}).", ""]
     for key in args.families.split(","):
         family = fams[key]
         big, small = residuals(family)

@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench import pareto  # noqa: E402
+from bench import pareto_report as report  # noqa: E402
+from bench import pareto_workload as pw
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 
@@ -98,20 +99,20 @@ def main(argv=None) -> int:
     command = "python bench/forecast_sweep.py" + ("" if argv is None and len(sys.argv) == 1
                                                   else " " + " ".join(sys.argv[1:] if argv is None else argv))
     lines = ["# Forecasting variants against the stored peer front (issue 17)", "",
-             f"Reproduce: `{command}` ({pareto.machine()}). Peers: bench/results/pareto/"
+             f"Reproduce: `{command}` ({report.machine()}). Peers: bench/results/pareto/"
              "results.csv. One seed: points move by a few dB with luck; read curves.", "",
              "Variants:", ""] + [f"- {v}: {VARIANTS[v][0]}" for v in variants]
     for key in args.families.split(","):
-        family = pareto.families(30, 30)[key]
-        wl = pareto.build_workload(family)
-        counter = pareto.our_counter(wl)
-        base = pareto.run_ours(wl, CMConfig(), counter)
+        family = pw.families(30, 30)[key]
+        wl = pw.build_workload(family)
+        counter = pw.our_counter(wl)
+        base = pw.run_ours(wl, CMConfig(), counter)
         lines += ["", f"## {family.title}", "", "| variant | threshold | computed | PSNR dB | cond "
                   "branch (C compute, . reuse) |", "|---|---|---|---|---|"]
         points = {v: [] for v in variants}
         for v in variants:
             for th in thresholds:
-                run = pareto.run_ours(wl, VARIANTS[v][1](th), counter)
+                run = pw.run_ours(wl, VARIANTS[v][1](th), counter)
                 psnr = fidelity(run.latents, base.latents, wl.noise)["psnr_db"]
                 acts = "".join("C" if a == "compute" else "." for a, b in
                                zip(run.trace["action"], run.trace["branch"], strict=True)
@@ -120,17 +121,17 @@ def main(argv=None) -> int:
                 lines.append(f"| {v} | {th:g} | {run.fraction:.3f} | {psnr:.1f} | `{acts}` |")
                 print(lines[-1], flush=True)
         peers = peer_points(key)
-        front = pareto.front(peers)
+        front = report.front(peers)
         lines += ["", "Per best-peer point (computed, PSNR): ours' PSNR gain at its fraction / "
                   "fraction ratio at its PSNR, each variant's runs alone:", "",
                   "| variant | " + " | ".join(f"{c:.3f}, {q:.1f}" for c, q, _ in front)
                   + " | both forms met |", "|---|" + "---|" * (len(front) + 1)]
         for v in variants:
-            res = pareto.compare(points[v], peers, pareto.MATCH_TOLERANCE)
+            res = report.compare(points[v], peers, report.MATCH_TOLERANCE)
             cells = [f"{'-' if d is None else f'{d:+.1f}'} / {'-' if r is None else f'{r:.2f}x'}"
                      for _, d, r in res]
             lines.append(f"| {v} | " + " | ".join(cells)
-                         + f" | {sum(pareto.both_met(d, r) for _, d, r in res)} |")
+                         + f" | {sum(report.both_met(d, r) for _, d, r in res)} |")
             print(lines[-1], flush=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

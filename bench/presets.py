@@ -127,7 +127,7 @@ def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12):
     each on `prompts` held-out prompts (bench/pareto.py's draws), pooled: PSNR and rel L2 over
     all of them against the reference's, and prompt following per attribute."""
     from bench.fixtures import analyser
-    from bench.pareto import FOLLOW_SEEDS, held_out_clip, prompt_tensors, shown_clip
+    from bench.pareto_workload import FOLLOW_SEEDS, held_out_clip, prompt_tensors, shown_clip
     from modules.checkpoint import load_model
     from sampling.run import noise_for
 
@@ -222,7 +222,7 @@ def main():
 
 def main_trained(args, runs):
     from bench.fixtures.analyser import ATTRIBUTES
-    from bench.pareto import TRAINED
+    from bench.pareto_workload import TRAINED
     print(f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
           f"CFG on; fp32; {args.backend} backend on CPU")
     verdicts = []

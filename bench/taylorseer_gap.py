@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench import pareto  # noqa: E402
+from bench import pareto_peers as peers  # noqa: E402
+from bench import pareto_workload as pw
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
+from sampling.run import noise_for  # noqa: E402
 
 
 def main() -> None:
@@ -38,12 +40,12 @@ def main() -> None:
     torch.set_num_threads(1)
     from diffusers.hooks import TaylorSeerCacheConfig
 
-    wl = pareto.build_workload(pareto.trained_families()["wan"], 50)
-    seeds = pareto.FOLLOW_SEEDS[:args.prompts]
-    counter = pareto.our_counter(wl)
-    noise = torch.cat([pareto.noise_for(wl.shape, s) for s in seeds])
-    ours_base = pareto.over_prompts(wl, lambda w: pareto.run_ours(w, CMConfig(), counter), seeds)
-    their_base = pareto.over_prompts(wl, pareto.run_diffusers, seeds)
+    wl = pw.build_workload(pw.trained_families()["wan"], 50)
+    seeds = pw.FOLLOW_SEEDS[:args.prompts]
+    counter = pw.our_counter(wl)
+    noise = torch.cat([noise_for(wl.shape, s) for s in seeds])
+    ours_base = pw.over_prompts(wl, lambda w: pw.run_ours(w, CMConfig(), counter), seeds)
+    their_base = pw.over_prompts(wl, peers.run_diffusers, seeds)
 
     def show(name, run, base):
         f = fidelity(run.latents, base.latents, noise)
@@ -51,11 +53,11 @@ def main() -> None:
               f"{run.follow['direction']:.0%}  shape {run.follow['shape']:.0%}", flush=True)
 
     for iv in (int(v) for v in args.intervals.split(",")):
-        hook = pareto.diffusers_hook(lambda iv=iv: TaylorSeerCacheConfig(
+        hook = peers.diffusers_hook(lambda iv=iv: TaylorSeerCacheConfig(
             cache_interval=iv, max_order=1, taylor_factors_dtype=torch.float32,
-            cache_identifiers=pareto.taylorseer_identifiers(wl)))
+            cache_identifiers=peers.taylorseer_identifiers(wl)))
         show(f"diffusers TaylorSeer interval {iv}",
-             pareto.over_prompts(wl, lambda w, h=hook: pareto.run_diffusers(w, h), seeds), their_base)
+             pw.over_prompts(wl, lambda w, h=hook: peers.run_diffusers(w, h), seeds), their_base)
         # TaylorSeer computes step 0 and every iv-th step from step 1 (the last one included):
         # DeepCache start 1 computes the same steps
         for start in (1, 3):
@@ -65,8 +67,8 @@ def main() -> None:
                                       forecast=forecast, bn_blocks=0, last_steps=0,
                                       remodulate=remodulate)
                     show(f"ours DeepCache {start}/50/{iv} B0 forecast {forecast}"
-                         + (" remodulated" if remodulate else ""), pareto.over_prompts(
-                             wl, lambda w, c=config: pareto.run_ours(w, c, counter), seeds),
+                         + (" remodulated" if remodulate else ""), pw.over_prompts(
+                             wl, lambda w, c=config: pw.run_ours(w, c, counter), seeds),
                          ours_base)
 
 if __name__ == "__main__":

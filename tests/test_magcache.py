@@ -100,14 +100,15 @@ def test_decisions_match_diffusers_magcache_hook():
 
     from diffusers.hooks import MagCacheConfig as TheirConfig
 
-    from bench import pareto
+    from bench import pareto_peers as peers
+    from bench import pareto_workload as pw
 
-    family = dataclasses.replace(pareto.families(3, 3)["wan"], size=(64, 64, 5))
-    wl = pareto.build_workload(family, steps=10)
-    ours = pareto.run_ours(wl, CMConfig(
+    family = dataclasses.replace(pw.families(3, 3)["wan"], size=(64, 64, 5))
+    wl = pw.build_workload(family, steps=10)
+    ours = pw.run_ours(wl, CMConfig(
         magcache=MagCacheConfig(ratios=RATIOS, max_skip=2, threshold=0.06, retention=0.2),
-        warmup=0, last_steps=0, cfg_mode="separate"), pareto.our_counter(wl))
-    theirs = pareto.run_diffusers(wl, pareto.diffusers_hook(lambda: TheirConfig(
+        warmup=0, last_steps=0, cfg_mode="separate"), pw.our_counter(wl))
+    theirs = peers.run_diffusers(wl, peers.diffusers_hook(lambda: TheirConfig(
         threshold=0.06, max_skip_steps=2, retention_ratio=0.2, num_inference_steps=10,
         mag_ratios=list(RATIOS))))
     assert ours.per_call == theirs.per_call

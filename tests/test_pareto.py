@@ -11,7 +11,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from bench import pareto  # noqa: E402
+from bench import pareto_peers as peers  # noqa: E402
+from bench import pareto_report as report
+from bench import pareto_workload as pw
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 
@@ -19,16 +21,16 @@ BLOCKS = 3
 
 
 def workload(key: str, steps: int):
-    family = pareto.families(BLOCKS, BLOCKS)[key]
+    family = pw.families(BLOCKS, BLOCKS)[key]
     small = dataclasses.replace(family, size=(64, 64, 5))  # 2 latent frames, few tokens
-    return pareto.build_workload(small, steps)
+    return pw.build_workload(small, steps)
 
 
 @pytest.mark.parametrize("key", ["wan", "hunyuan"])
 def test_uncached_ours_and_diffusers_agree(key):
     wl = workload(key, steps=3)
-    ours = pareto.run_ours(wl, CMConfig(), pareto.our_counter(wl))
-    theirs = pareto.run_diffusers(wl)
+    ours = pw.run_ours(wl, CMConfig(), pw.our_counter(wl))
+    theirs = peers.run_diffusers(wl)
     assert fidelity(theirs.latents, ours.latents, wl.noise)["rel_l2"] <= 1e-5
     assert ours.per_call == theirs.per_call == [float(BLOCKS)] * 6  # 3 steps x (cond, uncond)
     assert ours.fraction == theirs.fraction == 1.0
@@ -37,16 +39,16 @@ def test_uncached_ours_and_diffusers_agree(key):
 def test_counting_sees_reused_calls_on_both_sides():
     wl = workload("wan", steps=4)
     # Threshold far above any change: every call after a branch's first reuses.
-    ours = pareto.run_ours(wl, CMConfig(fbcache=FBCacheConfig(
+    ours = pw.run_ours(wl, CMConfig(fbcache=FBCacheConfig(
         threshold=1e9, metric="residual_tensor_rel_l1"), warmup=1, last_steps=0),
-        pareto.our_counter(wl))
+        pw.our_counter(wl))
     # ours: the first step computes; later calls run the probe's block 0 only
     assert ours.per_call == [3.0, 3.0] + [1.0] * 6
     assert ours.fraction == pytest.approx(12 / 24)
 
     from diffusers.hooks import FirstBlockCacheConfig
 
-    theirs = pareto.run_diffusers(wl, pareto.diffusers_hook(
+    theirs = peers.run_diffusers(wl, peers.diffusers_hook(
         lambda: FirstBlockCacheConfig(threshold=1e9)))
     # FBC replaces the other blocks' forward: a hook on a block would still fire, the sub-layer
     # hooks do not
@@ -57,36 +59,36 @@ def test_counting_sees_reused_calls_on_both_sides():
                     reason="cache-dit is in requirements-bench.txt, not requirements-dev.txt")
 def test_counting_sees_cache_dit_reuse():
     wl = workload("wan", steps=10)
-    run = pareto.run_diffusers(wl, pareto.cachedit_setup(wl, fn=1, bn=0, rdt=0.99, taylorseer=False))
+    run = peers.run_diffusers(wl, peers.cachedit_setup(wl, fn=1, bn=0, rdt=0.99, taylorseer=False))
     # cache-dit's 8 warm-up steps compute (16 calls), then the F1 block alone runs
     assert run.per_call == [3.0] * 16 + [1.0] * 4
     assert run.trace["cached_steps"] == [8, 9]
 
 
 def test_front_and_goal():
-    assert pareto.front([(0.5, 60.0), (0.4, 61.0), (0.3, 50.0), (0.6, 70.0)]) == [
+    assert report.front([(0.5, 60.0), (0.4, 61.0), (0.3, 50.0), (0.6, 70.0)]) == [
         (0.3, 50.0), (0.4, 61.0), (0.6, 70.0)]
     # ours: the same PSNR at 0.4 that the peer needs 0.6 for -> 1.5x; +5 dB at 0.6
-    (point, gain, ratio), = pareto.compare([(0.4, 70.0), (0.6, 75.0)], [(0.6, 70.0, "peer")], 0.0)
+    (point, gain, ratio), = report.compare([(0.4, 70.0), (0.6, 75.0)], [(0.6, 70.0, "peer")], 0.0)
     assert point == (0.6, 70.0, "peer") and (gain, ratio) == (5.0, pytest.approx(1.5))
-    assert pareto.goal_met(gain, ratio) and not pareto.goal_met(2.0, 1.2)
-    assert pareto.both_met(gain, ratio) and pareto.goal_met(5.0, 1.0)
-    assert not pareto.both_met(5.0, 1.0) and not pareto.both_met(None, 2.0)
+    assert report.goal_met(gain, ratio) and not report.goal_met(2.0, 1.2)
+    assert report.both_met(gain, ratio) and report.goal_met(5.0, 1.0)
+    assert not report.both_met(5.0, 1.0) and not report.both_met(None, 2.0)
 
 
 def test_trained_regime_pools_held_out_prompts_and_reads_them():
     """Trained weights (assets/tiny-wan-ti2v through the real-checkpoint loader): ours and
     diffusers agree uncached; a setting runs on several held-out prompts pooled on the batch
     axis, and the analyser's reading of each decoded video is kept per prompt."""
-    family = pareto.trained_families()["wan"]
+    family = pw.trained_families()["wan"]
     assert family.trained and family.config.num_layers == 6
-    wl = pareto.build_workload(family, steps=4)
-    seeds = pareto.FOLLOW_SEEDS[:2]
-    prompts = [pareto.held_out_clip(s).prompt for s in seeds]
+    wl = pw.build_workload(family, steps=4)
+    seeds = pw.FOLLOW_SEEDS[:2]
+    prompts = [pw.held_out_clip(s).prompt for s in seeds]
     assert len(set(prompts)) == 2  # two different held-out combinations
-    ours = pareto.over_prompts(wl, lambda w: pareto.run_ours(w, CMConfig(), pareto.our_counter(w)),
+    ours = pw.over_prompts(wl, lambda w: pw.run_ours(w, CMConfig(), pw.our_counter(w)),
                                seeds)
-    theirs = pareto.over_prompts(wl, pareto.run_diffusers, seeds)
+    theirs = pw.over_prompts(wl, peers.run_diffusers, seeds)
     assert ours.latents.shape == (2, *wl.shape[1:])
     # fp32 rounding of two implementations; a trained model's trajectory amplifies it more
     # than a random one's (1.4e-5 here)
@@ -95,5 +97,5 @@ def test_trained_regime_pools_held_out_prompts_and_reads_them():
     assert set(ours.follow) == {"foreground", "background", "direction", "shape", "hits"}
     assert len(ours.follow["hits"]) == 2
     # the pooled run of one prompt is that prompt's own run
-    one = pareto.run_ours(wl.reseeded(seeds[1]), CMConfig(), pareto.our_counter(wl))
+    one = pw.run_ours(wl.reseeded(seeds[1]), CMConfig(), pw.our_counter(wl))
     assert torch.equal(one.latents[0], ours.latents[1])

@@ -1,0 +1,183 @@
+"""bench/pareto.py's peers as installed libraries: diffusers' transformer with our weights, the
+small loop that drives it with our scheduler and CFG, its cache hooks and cache-dit. One adapter
+per peer; each returns a Run counted by the same block hooks as ours."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import time
+from typing import Callable
+
+import torch
+
+from bench.pareto_workload import CALIBRATION_SEED, BlockCounter, Run, Workload
+from modules.convert import (
+    hunyuan_diffusers_config,
+    wan_diffusers_config,
+)
+from sampling.loop import Combination, folding
+from sampling.schedulers import make_scheduler
+
+
+def diffusers_model(wl: Workload) -> torch.nn.Module:
+    """A fresh diffusers model with our weights (cache-dit patches in place: one per run)."""
+    import diffusers
+
+    cfg = wl.family.config
+    if wl.family.key == "wan":
+        model = diffusers.WanTransformer3DModel(**wan_diffusers_config(cfg))
+    else:
+        model = diffusers.HunyuanVideo15Transformer3DModel(**hunyuan_diffusers_config(cfg))
+    _fit_fixed_widths(model, wl.theirs_state)
+    model.load_state_dict(wl.theirs_state, strict=True)
+    return model.eval()
+
+
+def _fit_fixed_widths(model: torch.nn.Module, state: dict) -> None:
+    """diffusers' HunyuanVideo15Transformer3DModel fixes two widths the released model has (the
+    token refiner's MLP at 4x, the byT5 projection's 2048), which the tiny model trained here
+    sets smaller (bench/fixtures/train.py). Each linear whose weight in `state` has another
+    shape is rebuilt at that shape: the forward only applies them, so the maths is the one the
+    weights were trained with."""
+    for name, module in list(model.named_modules()):
+        weight = state.get(f"{name}.weight")
+        if not isinstance(module, torch.nn.Linear) or weight is None \
+                or tuple(weight.shape) == tuple(module.weight.shape):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None))
+
+
+def diffusers_inputs(wl: Workload, branch: str) -> dict:
+    """Keyword inputs of the diffusers forward for one CFG branch (the latent and t added per call)."""
+    host, _ = wl.pipe.conditions(wl.tensors, branch, False, wl.shape)
+    cfg = wl.family.config
+    if wl.family.key == "wan":
+        context = host["context"]  # diffusers attends to the zero padding as ours does (T3)
+        return {"encoder_hidden_states": torch.nn.functional.pad(
+            context, (0, 0, 0, cfg.text_len - context.shape[1]))}
+    return {"encoder_hidden_states": host["text"], "encoder_attention_mask": host["text_mask"],
+            "encoder_hidden_states_2": host["byt5"], "encoder_attention_mask_2": host["byt5_mask"],
+            "image_embeds": torch.zeros(1, cfg.vision_len, cfg.vision_dim)}  # zeros: T2V (T22)
+
+
+def their_counter(wl: Workload, model) -> BlockCounter:
+    f = wl.family
+    return BlockCounter(model, f.blocks_theirs, f.sublayers_theirs, None)
+
+
+def _lincomb(terms):
+    """sum(w * x) in fp32, as our torch backend combines scheduler terms."""
+    out = None
+    for w, x in terms:
+        out = w * x.float() if out is None else out + w * x.float()
+    return out
+
+
+def denoise_diffusers(wl: Workload, model) -> tuple[torch.Tensor, float, float]:
+    """Our scheduler and CFG around the diffusers forward; cond then uncond, each in its cache
+    context (as diffusers' pipelines call it), with the step, sigma and step count SeaCache reads."""
+    scheduler = make_scheduler(wl.pipe.solver, wl.steps, wl.pipe.shift)
+    conds = {b: diffusers_inputs(wl, b) for b in ("cond", "uncond")}
+    lincomb, g = folding(_lincomb), wl.guidance
+    x = wl.noise
+    hy = wl.family.key == "hunyuan"
+    zeros = torch.zeros(1, wl.family.config.in_channels + 1, *wl.shape[2:]) if hy else None
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        for i, t in enumerate(scheduler.timesteps):
+            tt = wl.pipe.timestep_input(t, wl.shape, False)
+            xin = torch.cat([x, zeros], dim=1) if hy else x  # HY reads [noise | cond | mask] (T17)
+            outs = {}
+            for branch in ("cond", "uncond"):
+                with model.cache_context(branch, step_index=i, num_inference_steps=wl.steps,
+                                         timestep=t, sigma=scheduler.sigmas[i]):
+                    outs[branch] = model(xin, tt, **conds[branch], return_dict=False)[0].float()
+            v = Combination(((1.0 - g, outs["uncond"]), (g, outs["cond"])))  # uncond + g (c - u)
+            x = scheduler.step(i, v, x, lincomb)
+    return x, time.perf_counter() - start, time.process_time() - cpu
+
+
+def run_diffusers(wl: Workload, setup: Callable | None = None) -> Run:
+    """One trajectory on a fresh diffusers model; `setup(model)` enables a cache after the
+    warm-up call and returns a function giving the method's trace after the run (or None)."""
+    model = diffusers_model(wl)
+    counter = their_counter(wl, model)
+    with torch.no_grad():  # warm-up, before any cache hook sees a call
+        x = wl.noise
+        if wl.family.key == "hunyuan":
+            x = torch.cat([x, torch.zeros(1, wl.family.config.in_channels + 1, *wl.shape[2:])], 1)
+        model(x, wl.pipe.timestep_input(999.0, wl.shape, False), **diffusers_inputs(wl, "cond"),
+              return_dict=False)
+    tracer = setup(model) if setup is not None else None
+    counter.reset()
+    latents, wall, cpu = denoise_diffusers(wl, model)
+    trace = tracer() if tracer is not None else None
+    counter.remove()
+    return Run(latents, wall, cpu, counter.fraction, counter.blocks_per_call(), trace)
+
+
+# --- the peers, as installed libraries --------------------------------------------------------
+
+def taylorseer_identifiers(wl: Workload) -> list[str]:
+    """Explicit module patterns: diffusers' defaults ('^blocks.*attn' under re.fullmatch) match
+    no Wan module ('blocks.0.attn1'), so with defaults TaylorSeer caches nothing on Wan."""
+    if wl.family.key == "wan":
+        return [r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2", r"blocks\.\d+\.ffn"]
+    return [r"transformer_blocks\.\d+\.attn", r"transformer_blocks\.\d+\.ff",
+            r"transformer_blocks\.\d+\.ff_context"]
+
+
+def diffusers_hook(config_factory: Callable) -> Callable:
+    """setup() for a diffusers cache hook: `config_factory()` -> its config, then enable_cache."""
+    def setup(model):
+        model.enable_cache(config_factory())
+        return None  # the per-call block counts are the trace
+    return setup
+
+
+def mag_ratios(wl: Workload) -> tuple[list[float], dict]:
+    """MagCache's calibration run (diffusers' `calibrate=True`, which never skips), on a held-out
+    draw. diffusers prints one ratio list per cache context; its config takes one list for all
+    contexts, so the cond list is used (both are saved in the trace)."""
+    from diffusers.hooks import MagCacheConfig
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run_diffusers(wl.reseeded(CALIBRATION_SEED), diffusers_hook(
+            lambda: MagCacheConfig(calibrate=True, num_inference_steps=wl.steps)))
+    lists = [json.loads(m) for m in re.findall(r"^\[[^\]]*\]$", printed.getvalue(), re.M)]
+    if len(lists) != 2:
+        raise RuntimeError(f"MagCache calibration printed {len(lists)} ratio lists, expected 2 "
+                           f"(cond, uncond):\n{printed.getvalue()[-2000:]}")
+    return lists[0], {"cond": lists[0], "uncond": lists[1]}
+
+
+def cachedit_setup(wl: Workload, fn: int, bn: int, rdt: float, taylorseer: bool) -> Callable:
+    """cache-dit DBCache on the transformer alone (library defaults but Fn, Bn and the threshold;
+    separate CFG as cache-dit's Wan and HunyuanVideo-1.5 adapters set it)."""
+    def setup(model):
+        import cache_dit
+        from cache_dit import DBCacheConfig, TaylorSeerCalibratorConfig
+
+        cache_dit.enable_cache(
+            model, cache_config=DBCacheConfig(
+                Fn_compute_blocks=fn, Bn_compute_blocks=bn, residual_diff_threshold=rdt,
+                num_inference_steps=wl.steps, enable_separate_cfg=True),
+            calibrator_config=TaylorSeerCalibratorConfig(taylorseer_order=1) if taylorseer
+            else None)
+
+        def trace():
+            stats = cache_dit.summary(model, logging=False)[0]
+            return {"cached_steps": list(stats.cached_steps),
+                    "cfg_cached_steps": list(stats.cfg_cached_steps),
+                    "residual_diffs": {k: round(float(v), 5) for k, v in stats.residual_diffs.items()},
+                    "cfg_residual_diffs": {k: round(float(v), 5)
+                                           for k, v in stats.cfg_residual_diffs.items()}}
+        return trace
+    return setup
+
