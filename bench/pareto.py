@@ -19,15 +19,16 @@ scheduler, so wall times compare like with like. Per run:
              rel/disp divides the error by how far the uncached run moved from the noise
   trace      computed blocks per model call, plus each method's own decisions (traces_*.json)
 
-Writes results.csv, table.md, pareto.png, traces_<family>.json and README.md (machine,
-command, table, plot, and the standing against each peer at matched computed fraction) under
---out. A peer that cannot be installed or cannot drive a model is reported as such; nothing is
+Writes results.csv, table.md, pareto.png, traces_<family>.json (.json.gz on trained weights)
+and README.md (machine, command, table, plot, and the standing against each peer at matched
+computed fraction) under --out. A peer that cannot be installed or cannot drive a model is reported as such; nothing is
 estimated in its place.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -392,9 +393,11 @@ def _unavailable(message):
 
 
 def _write_json(path, data):
+    """JSON, written whole or not at all; gzip-compressed where the name ends in .gz (the
+    trained regime's traces: a dozen prompts of per-call decisions for every setting)."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+    with (gzip.open(tmp, "wt") if path.endswith(".gz") else open(tmp, "w")) as f:
+        json.dump(data, f, indent=None if path.endswith(".gz") else 1)
     os.replace(tmp, path)
 
 
@@ -538,7 +541,8 @@ def main(argv=None) -> int:
     for fam in fams:
         fam_rows, traces, facts[fam.key] = run_family(fam, args)
         rows += fam_rows
-        _write_json(os.path.join(args.out, f"traces_{fam.key}.json"), traces)
+        _write_json(os.path.join(args.out, f"traces_{fam.key}.json"
+                                 + (".gz" if fam.trained else "")), traces)
     write_csv(rows, os.path.join(args.out, "results.csv"))
     with open(os.path.join(args.out, "table.md"), "w") as f:
         for fam in fams:
