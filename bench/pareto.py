@@ -21,8 +21,8 @@ scheduler, so wall times compare like with like. Per run:
 
 Writes results.csv, table.md, pareto.png, traces_<family>.json (.json.gz on trained weights)
 and README.md (machine, command, table, plot, and the standing against each peer at matched
-computed fraction) under --out. A peer that cannot be installed or cannot drive a model is reported as such; nothing is
-estimated in its place.
+computed fraction) under --out. A peer that cannot be installed or cannot drive a model is
+reported as such; nothing is estimated in its place.
 """
 
 from __future__ import annotations
