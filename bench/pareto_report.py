@@ -624,8 +624,8 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
               "(.json.gz on trained weights; per run: the block-equivalents computed in each "
               "model call as the hooks counted them, and the method's own decisions: our "
               "gate's trace, cache-dit's cached steps and residual diffs, MagCache's "
-              "calibration ratios, the budget's chosen configuration and its bound), budget_profile_<family>.json (budgeted mode's "
-              "calibration: every configuration's rel L2 and computed fraction on each held-out "
-              "draw)."]
+              "calibration ratios, the budget's chosen configuration and its bound), "
+              "budget_profile_<family>.json (budgeted mode's calibration: every "
+              "configuration's rel L2 and computed fraction on each held-out draw)."]
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
