@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -99,3 +100,59 @@ def test_trained_regime_pools_held_out_prompts_and_reads_them():
     # the pooled run of one prompt is that prompt's own run
     one = pw.run_ours(wl.reseeded(seeds[1]), CMConfig(), pw.our_counter(wl))
     assert torch.equal(one.latents[0], ours.latents[1])
+
+
+def _row(method, impl, fraction, psnr, setting="s", mean=None, rel_l2=1e-3):
+    r = dict.fromkeys(report.COLUMNS)
+    r.update(family="wan", method=method, impl=impl, setting=setting, status="ok",
+             computed_fraction=fraction, psnr_db=psnr, psnr_db_mean=psnr if mean is None else mean,
+             rel_l2=rel_l2, cpu_s=fraction)
+    return r
+
+
+def test_behind_and_the_runs_that_skipped_nothing():
+    """Issue 39: a run of ours that computed every block is the uncached run, not a point; a
+    best-peer point is behind where ours loses more than 0.5 dB or computes over 1/0.95 as much."""
+    assert report.behind(-0.6, 1.2) and report.behind(1.0, 0.9) and report.behind(None, 2.0)
+    assert not report.behind(-0.5, 0.95) and not report.behind(4.0, 1.3)
+    rows = [_row("ours budgeted", "ours", 1.0, 200.0), _row("ours X", "ours", 0.3, 40.0, mean=45.0),
+            _row("peer", "diffusers", 0.5, 50.0, mean=44.0)]
+    assert [p[2] for p in report.points(rows, "wan", True)] == ["ours X"]
+    lines, summary = report.standing(rows, "wan")  # pooled: ours 40 dB < the peer's 50 dB
+    assert "behind at 1" in summary and "BEHIND" in "\n".join(lines)
+    lines, summary = report.standing(rows, "wan", "psnr_db_mean")  # mean: +1 dB at 0.6x the cost
+    assert "mean over draws" in summary and "behind at 0" in summary
+    assert "ours X, s" in "\n".join(lines)  # the point of ours each comparison used is named
+
+
+def test_budget_standing_counts_only_caching_against_a_peer_point_that_exists():
+    rows = [_row("ours budgeted", "ours", 1.0, math.inf,
+                 "rel L2 budget 0.01: uncached: no calibrated configuration promises it"),
+            _row("ours budgeted speedup", "ours", 0.2, 30.0, "speedup 4: static x"),
+            _row("ours budgeted speedup", "ours", 0.4, 60.0, "speedup 2.5: static y"),
+            _row("peer", "diffusers", 0.38, 50.0), _row("peer", "diffusers", 0.6, 61.0)]
+    unseen = [{"kind": "speedup", "target": 4.0, "rel_l2": 0.1, "computed": 0.2},
+              {"kind": "speedup", "target": 2.5, "rel_l2": 0.1, "computed": 0.44}]
+    lines, summary = report.budget_standing(rows, "wan", unseen)
+    text = "\n".join(lines)
+    assert "uncached: no calibrated configuration promises it" in text
+    # speedup 4: no peer is as cheap, so no gain to count: not met; speedup 2.5: +10 dB over
+    # the peer's 0.38 point, and 60 dB where the peer needs 0.6 (1.5x): met
+    assert "both forms against the best peer at 1" in summary
+    assert "1 ran uncached" in summary
+    # the unseen draw that computed 0.44 missed the 2.5x target
+    assert "kept 4 of 5" in summary
+    assert report.kept("rel_err", 0.01, 0.009, 1.0) and not report.kept("speedup", 2.0, 0.0, 0.51)
+
+
+def test_mean_over_draws_is_each_draws_own_psnr_averaged():
+    base = torch.arange(8.0).reshape(2, 1, 2, 2)
+    run = base.clone()
+    run[0] += 0.1  # draw 0 off, draw 1 exact (inf: left out of the mean)
+    noise = torch.ones(2, 1, 2, 2)
+    one = fidelity(run[:1], base[:1], noise[:1])["psnr_db"]
+    assert report.mean_psnr(run, base, noise) == pytest.approx(one)
+    run[1] += 0.2
+    two = fidelity(run[1:], base[1:], noise[1:])["psnr_db"]
+    assert report.mean_psnr(run, base, noise) == pytest.approx((one + two) / 2)
+    assert report.mean_psnr(base, base, noise) == math.inf
