@@ -1,6 +1,11 @@
 """Fidelity against speed: our caching beside diffusers' cache hooks and cache-dit, same weights.
 
     python bench/pareto.py [--quick] [--families wan,hunyuan] [--out bench/results/pareto]
+    python bench/pareto.py --weights trained [--checkpoint PATH]   # the regime users meet
+
+The workload lives in bench/pareto_workload.py, the peers' adapters in bench/pareto_peers.py,
+the standing, tables, plots and page in bench/pareto_report.py; this file holds the menu of
+methods, budgeted mode's targets and the command.
 
 Tiny-but-deep random-weight DiTs (Wan2.2 TI2V-shaped, then HunyuanVideo-1.5), made smooth in t
 (bench/workload.py), are loaded into our model and, through modules/convert.py, into diffusers'
@@ -16,7 +21,9 @@ scheduler, so wall times compare like with like. Per run:
              one torch thread) and wall time; speedup = the same implementation's uncached CPU
              time over the run's (ours over ours, peers over diffusers')
   PSNR, rel L2, rel/disp   final latents against the same implementation's uncached latents;
-             rel/disp divides the error by how far the uncached run moved from the noise
+             rel/disp divides the error by how far the uncached run moved from the noise; on
+             trained weights (several held-out prompts a setting) PSNR both pooled over the
+             draws and as the mean of each draw's own
   trace      computed blocks per model call, plus each method's own decisions (traces_*.json)
 
 Writes results.csv, table.md, pareto.png, traces_<family>.json (.json.gz on trained weights)
