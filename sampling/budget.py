@@ -22,6 +22,7 @@ With 3 draws t is 2.92, so a configuration whose errors spread by a factor 1.5 p
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -91,12 +92,13 @@ def _space():
 SPACE = _space()
 
 # Static schedules (issue 39). On trained weights a forecast holds for a step or two, and which
-# steps a fixed budget computes moves the final error by several dB: computing the last two or
-# three steps, and spacing the others by the size of the steps in sigma, kept 5-10 dB more than
-# computing every n-th step at the same fraction on the trained tiny Wan, while on the trained
-# HunyuanVideo-1.5 twin evenly spaced steps did best (bench/results/static_schedules.md). No
-# one shape wins on every model, so budgeted mode measures a small family of both on its
-# calibration draws and picks per model. A static schedule reads nothing from the device.
+# steps a fixed budget computes moves the final error by several dB: on the trained tiny Wans,
+# computing the last steps and spacing the others by the size of the steps in sigma kept far
+# more than computing every n-th step at the same fraction, while on the trained HunyuanVideo-1.5
+# twin evenly spaced steps with the last three computed did best (bench/results/
+# static_schedules*.md). No one shape wins on every model, so budgeted mode measures a small
+# family of both on its calibration draws and picks per model. A static schedule reads nothing
+# from the device.
 EVERY = (2, 3, 4, 5, 6)  # compute every n-th step...
 FIRST = (1, 2, 3)  # ...after computing this many first steps...
 LAST = (1, 2, 3)  # ...and this many last ones
@@ -126,7 +128,9 @@ def paced(sigmas, count: int, pace: float, first: int, last: int) -> tuple[int, 
     chosen = set(range(first)) | set(range(steps - last, steps))
     for k in range(count):
         target = k / (count - 1) if count > 1 else 0.0
-        chosen.add(first + min(range(len(cum)), key=lambda i: abs(cum[i] - target)))
+        i = bisect.bisect_left(cum, target)  # cum rises: the nearest is i or the one before
+        near = min((j for j in (i - 1, i) if 0 <= j < len(cum)), key=lambda j: abs(cum[j] - target))
+        chosen.add(first + near)
     return tuple(sorted(chosen))
 
 
@@ -144,7 +148,13 @@ def static_schedules(sigmas) -> tuple:
         for last in LAST:
             for fraction in PACED_FRACTIONS:
                 want = round(fraction * steps)
-                options = [paced(sigmas, k, pace, PACED_WARMUP, last) for k in range(2, steps)]
+                # the computed set grows with the count (placements can coincide): from the
+                # count that cannot overshoot up to the first that reaches the fraction
+                options = []
+                for count in range(max(2, want - PACED_WARMUP - last), steps):
+                    options.append(paced(sigmas, count, pace, PACED_WARMUP, last))
+                    if len(options[-1]) >= want:
+                        break
                 best = min(options, key=lambda s: abs(len(s) - want))
                 found.setdefault(best, f"static paced {pace:g}, last {last}, {len(best)} steps")
     return tuple((label, {"deepcache": {"steps": list(chosen)}, "bn_blocks": 0, "forecast": 1})
