@@ -122,8 +122,9 @@ def measure(pipe, cfg, scale, runs, *, steps, backend="jax", repeats=2):
     return out
 
 
-def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12):
-    """The same runs on a model trained here (issue 28, the pipeline's committed checkpoint),
+def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12, checkpoint=None):
+    """The same runs on a model trained here (issue 28, the pipeline's committed checkpoint, or
+    the trained tiny model at `checkpoint` with the pipeline's sampling),
     each on `prompts` held-out prompts (bench/pareto.py's draws), pooled: PSNR and rel L2 over
     all of them against the reference's, and prompt following per attribute."""
     from bench.fixtures import analyser
@@ -131,7 +132,7 @@ def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12):
     from modules.checkpoint import load_model
     from sampling.run import noise_for
 
-    model = load_model(pipe.builtin_path)[0].eval()
+    model = load_model(checkpoint or pipe.builtin_path)[0].eval()
     shape = pipe.latent_shape(*pipe.size)
     seeds = FOLLOW_SEEDS[:prompts]
     draws = {seed: prompt_tensors(pipe, seed) for seed in seeds}
@@ -180,6 +181,9 @@ def main():
                     help="trained: the tiny models trained here (issue 28), each run pooled over "
                          "--prompts held-out prompts, with prompt following")
     ap.add_argument("--prompts", type=int, default=12, help="held-out prompts (trained weights)")
+    ap.add_argument("--checkpoint", help="trained weights: a trained tiny model of one family in "
+                    "place of its committed one (the further held-out model, or one trained "
+                    "elsewhere)")
     ap.add_argument("--plot", default="bench/results/presets_trace.png",
                     help="PNG path for the per-step trace plot ('' for none)")
     args = ap.parse_args()
@@ -187,6 +191,10 @@ def main():
         torch.set_num_threads(1)  # 2 shared cores: more threads spin-wait under contention
     runs = {**{p: preset_config(p) for p in PRESETS},
             "deepcache 11/45/4": CMConfig(deepcache=DeepCacheConfig())}
+    if args.checkpoint is not None and (args.weights != "trained"
+                                        or not os.path.exists(args.checkpoint)):
+        ap.error(f"--checkpoint {args.checkpoint}: expected an existing trained model's folder, "
+                 "with --weights trained")
     if args.weights == "trained":
         return main_trained(args, runs)
     traces, verdicts = {}, []
@@ -226,14 +234,21 @@ def main_trained(args, runs):
     print(f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
           f"CFG on; fp32; {args.backend} backend on CPU")
     verdicts = []
+    held = None
+    if args.checkpoint is not None:
+        from modules.checkpoint import load_model
+        held = load_model(args.checkpoint, meta=True)[0].config
     for name in TRAINED.values():
         if name not in PIPELINES:
             continue
         pipe = PIPELINES[name]
+        if held is not None and type(held) is not type(pipe.config):
+            continue  # --checkpoint: its own family only
         results = measure_trained(pipe, runs, steps=args.steps, backend=args.backend,
-                                  prompts=args.prompts)
+                                  prompts=args.prompts, checkpoint=args.checkpoint)
         ref = results["reference"]
-        print(f"\n{name} ({pipe.builtin}): {pipe.config.num_layers} blocks, {args.steps} steps "
+        print(f"\n{name} ({args.checkpoint or pipe.builtin}): {pipe.config.num_layers} blocks, "
+              f"{args.steps} steps "
               f"{pipe.solver}; signal: median TeaCache rel {ref['signal']:.2e} per step")
         print(f"{'run':20s} {'calls':>6s} {'blocks':>7s} {'wall':>6s} {'PSNR dB':>8s} "
               f"{'rel L2':>9s}  prompt following ({', '.join(ATTRIBUTES)})")
