@@ -382,14 +382,14 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
             return run
         return go
 
-    by_kind = {kind: [v for k, v in targets(trained) if k == kind] for kind in ("rel_err", "speedup")}
     out.append(Method("ours budgeted", "ours", [
-        (f"rel L2 budget {b:g}", budgeted(("rel_err", b))) for b in pick(by_kind["rel_err"])],
+        (f"rel L2 budget {b:g}", budgeted(("rel_err", b)))
+        for b in pick(list(BUDGETS["trained" if trained else "random"]))],
         "--budget_rel_err: the cheapest configuration of sampling/budget.py's space (the shipped "
         "techniques and the static schedules of the run's sigmas) whose error bound (95%, learned "
         "from the spread over 3 held-out draws) is within the budget"))
     out.append(Method("ours budgeted speedup", "ours", [
-        (f"speedup {s:g}", budgeted(("speedup", s))) for s in pick(by_kind["speedup"])],
+        (f"speedup {s:g}", budgeted(("speedup", s))) for s in pick(list(SPEEDUPS))],
         "--budget_speedup: the configuration of the same space with the least error bound among "
         "those computing at most 1/s of the blocks on every calibration draw"))
     return out

@@ -230,22 +230,14 @@ def main():
 
 def main_trained(args, runs):
     from bench.fixtures.analyser import ATTRIBUTES
-    from bench.pareto_workload import TRAINED
+    from bench.pareto_workload import trained_families
     print(f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
           f"CFG on; fp32; {args.backend} backend on CPU")
     verdicts = []
-    held = None
-    if args.checkpoint is not None:
-        from modules.checkpoint import load_model
-        held = load_model(args.checkpoint, meta=True)[0].config
-    for name in TRAINED.values():
-        if name not in PIPELINES:
-            continue
-        pipe = PIPELINES[name]
-        if held is not None and type(held) is not type(pipe.config):
-            continue  # --checkpoint: its own family only
+    for family in trained_families(args.checkpoint).values():  # --checkpoint: its family only
+        name, pipe = family.pipeline, PIPELINES[family.pipeline]
         results = measure_trained(pipe, runs, steps=args.steps, backend=args.backend,
-                                  prompts=args.prompts, checkpoint=args.checkpoint)
+                                  prompts=args.prompts, checkpoint=family.checkpoint)
         ref = results["reference"]
         print(f"\n{name} ({args.checkpoint or pipe.builtin}): {pipe.config.num_layers} blocks, "
               f"{args.steps} steps "

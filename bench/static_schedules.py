@@ -41,7 +41,6 @@ from cache.flags import config_from_fields  # noqa: E402
 from sampling import budget  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
-from sampling.schedulers import make_scheduler  # noqa: E402
 from torch_backend.backend import TorchBackend  # noqa: E402
 
 SPEEDUPS = (2.5, 3.0, 4.0)
@@ -54,8 +53,7 @@ def baseline(steps: int, speedup: float):
     for n in range(2, steps):
         chosen = budget.every_nth(steps, n, 2, 1)
         if len(chosen) <= steps / speedup + 1e-9:
-            return (f"every {n} after 2, last 1",
-                    {"deepcache": {"steps": list(chosen)}, "bn_blocks": 0, "forecast": 1})
+            return f"every {n} after 2, last 1", budget.static_fields(chosen)
     raise ValueError(f"no every-n-th schedule computes at most 1/{speedup} of {steps} steps")
 
 
@@ -64,8 +62,7 @@ def family_rows(family, prompts: int) -> tuple[list[str], dict]:
 
     wl = build_workload(family)
     steps = wl.steps
-    sigmas = [float(s) for s in make_scheduler(wl.pipe.solver, steps, wl.pipe.shift).sigmas]
-    schedules = budget.static_schedules(sigmas)
+    schedules = budget.run_static_schedules(wl.pipe.solver, steps, wl.pipe.shift)
     began = time.perf_counter()
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     candidates = calibrate.measure_space(

@@ -157,15 +157,26 @@ def static_schedules(sigmas) -> tuple:
                         break
                 best = min(options, key=lambda s: abs(len(s) - want))
                 found.setdefault(best, f"static paced {pace:g}, last {last}, {len(best)} steps")
-    return tuple((label, {"deepcache": {"steps": list(chosen)}, "bn_blocks": 0, "forecast": 1})
+    return tuple((label, static_fields(chosen))
                  for chosen, label in found.items() if len(chosen) < steps)
+
+
+def static_fields(computed) -> dict:
+    """The partial CMConfig of one static schedule: these steps computed, the reused residual
+    forecast linearly, no probe or tail block."""
+    return {"deepcache": {"steps": list(computed)}, "bn_blocks": 0, "forecast": 1}
+
+
+def run_static_schedules(solver: str, steps: int, shift: float) -> tuple:
+    """static_schedules of the sigmas a run of this solver, step count and shift steps through."""
+    from .schedulers import make_scheduler
+    return static_schedules([float(s) for s in make_scheduler(solver, steps, shift).sigmas])
 
 
 def space(solver: str, steps: int, shift: float) -> tuple:
     """What `python -m commands.calibrate --budget` measures for a run of this schedule: SPACE
     and the static schedules of its sigmas."""
-    from .schedulers import make_scheduler
-    return SPACE + static_schedules([float(s) for s in make_scheduler(solver, steps, shift).sigmas])
+    return SPACE + run_static_schedules(solver, steps, shift)
 
 
 @dataclass(frozen=True)
