@@ -10,19 +10,27 @@
 "image": ..., "audio": ..., "seed": ...}; blank lines and lines starting with # are skipped.
 Every line, file and flag is checked before any model work. The encoders run for every prompt
 first and are freed; the DiT loads once and its programs compile once (for the first prompt's
-shapes: later prompts of the same shapes compile nothing); the VAE loads once. One prompt writes
-its stage files and `output_video.mp4` in --output_dir; several write folder 001, 002, ... in it.
-`--compare` adds the uncached video (`output_video_uncached.mp4`) and `compare_strip.png` (cached
-frames above, uncached below), committed with the cached video.
+shapes: later prompts of the same shapes compile nothing); then each prompt is sampled and
+decoded at once by one VAE, so its video is final before the next prompt starts. One prompt
+writes its stage files and `output_video.mp4` in --output_dir; several write folder 001, 002, ...
+in it. `--compare` adds the uncached video (`output_video_uncached.mp4`) and `compare_strip.png`
+(cached frames above, uncached below), committed with the cached video.
 Every stage-2 flag applies (cache flags, --seed: the first prompt's, the next ones +1, +2, ...
 unless a line gives its own).
+
+A rerun of the same command resumes: each stage's config records its prompt's request id
+(`request_id`), and a prompt whose folder holds the video of the same request is skipped, one
+with its latents is decoded, one with its embeddings sampled; `--overwrite` redoes every prompt.
+One run writes into the output folder at a time (`sampling.one_writer`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
+import hashlib
 import json
 import os
 import sys
@@ -32,15 +40,22 @@ import warnings
 import numpy as np
 
 from sampling.cli import CommandParser, UsageError, as_int, command
+from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PROMPT_PIPELINE
 from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
     LATENTS,
+    PAIR_ID,
     VIDEO,
     Staged,
+    StageFileError,
     check_writable,
     encode_mp4,
+    folder_lock,
+    read_config,
+    read_tensors,
+    recover,
     write_stage,
 )
 
@@ -62,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", help="the prompt")
     g.add_argument("--prompts", help="a file of prompts: one a line, or JSON lines with "
                    f"{', '.join(LINE_KEYS)}")
+    g.add_argument("--overwrite", action="store_true",
+                   help="redo every prompt (default: a rerun skips the prompts whose folder holds "
+                   "the video of the same request, and resumes those with latents or embeddings)")
     stage1.add_arguments(parser, sizes=False)
     g = parser.add_argument_group("stage 3")
     g.add_argument("--vae_path", help="the VAE checkpoint (default: the model's built-in one, or "
@@ -136,9 +154,109 @@ def _say(writer: bool, text: str) -> None:
 
 
 def _folders(args, n: int) -> list[str]:
-    root = args.output_dir if args.output_dir is not None else "outputs"
-    return [root] if n == 1 else [os.path.join(root, f"{i + 1:03d}") for i in range(n)]
+    return [_root(args)] if n == 1 else [os.path.join(_root(args), f"{i + 1:03d}") for i in range(n)]
 
+
+def _root(args) -> str:
+    return args.output_dir if args.output_dir is not None else "outputs"
+
+
+# --- resuming: what each prompt's folder already holds for this very request -------------------
+
+REQUEST = "request_id"  # in every stage's generation_config.json: the request the files answer
+# what a prompt still needs, from least to most work
+DONE, DECODE, SAMPLE, ENCODE = "done", "decode", "sample", "encode"
+STATES = (DONE, DECODE, SAMPLE, ENCODE)
+# flags that change no output: where files go, what is printed, how the run is launched
+_NOT_REQUEST = {"help_all", "quiet", "verbose", "summary_json", "prompt", "prompts", "output_dir",
+                "input_dir", "overwrite", "multihost", "coordinator_address", "num_processes",
+                "process_id", "no_progress", "telemetry_json", "telemetry_csv", "tensorboard_dir",
+                "plot_png", "compile_cache_dir", "warmup_steps"}
+_PATHS = {"image", "audio", "model_path", "encoder_path", "vae_path", "budget_profile",
+          "magcache_profile"}
+_HASHED = 64 << 20  # files up to this size are known by their bytes, larger ones (checkpoints)
+# by size and modification time
+
+
+def _identity(path: str | None):
+    """What a path's contents are, as far as a rerun can tell cheaply."""
+    if path is None:
+        return None
+    real = os.path.realpath(path)
+    try:
+        if os.path.isdir(real):
+            return [real, sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                                 for e in os.scandir(real) if e.is_file())]
+        st = os.stat(real)
+        if st.st_size > _HASHED:
+            return [real, st.st_size, st.st_mtime_ns]
+        with open(real, "rb") as f:
+            return [real, hashlib.sha256(f.read()).hexdigest()]
+    except OSError:
+        return [real, None]
+
+
+def request_id(args, entry: dict, seed: int, model: str) -> str:
+    """One prompt's request: its line, seed and model and every flag that changes an output
+    (the files named by flags or lines as their contents), as a short hash."""
+    flags = {k: _identity(v) if k in _PATHS else v for k, v in sorted(vars(args).items())
+             if k not in _NOT_REQUEST}
+    line = {k: _identity(entry.get(k)) if k in _PATHS else entry.get(k) for k in LINE_KEYS}
+    text = json.dumps({"flags": flags, "line": line, "seed": seed, "model": model},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def folder_state(folder: str, request: str, compare: bool) -> str:
+    """What `folder` still needs for `request`: DONE (its video), DECODE (its latents), SAMPLE
+    (its embeddings) or ENCODE (nothing of this request). An interrupted commit is finished
+    first, so a kill mid-write reads as the old or the new files, never half of them."""
+    if not os.path.isdir(folder):
+        return ENCODE
+    try:
+        with folder_lock(folder, exclusive=True):
+            recover(folder)
+            config = read_config(folder)
+    except (OSError, StageFileError):
+        return ENCODE
+    if config.get(REQUEST) != request:
+        return ENCODE
+    has = {name: os.path.isfile(os.path.join(folder, name))
+           for name in (EMBEDDINGS, LATENTS, VIDEO, UNCACHED_VIDEO, STRIP)}
+    if "output_video" in config and has[VIDEO] and (not compare or (has[UNCACHED_VIDEO]
+                                                                    and has[STRIP])):
+        return DONE
+    if PAIR_ID in config:  # stage 2's config: its latents (the pair is checked when read)
+        # --compare decodes the uncached latents too, which only a sampling run holds
+        return DECODE if has[LATENTS] and not compare else ENCODE
+    return SAMPLE if has[EMBEDDINGS] else ENCODE
+
+
+def _agree(states: list[str], multihost: bool) -> list[str]:
+    """Process 0's reading of the folders, on every process of a multi-host job (stage 2 is one
+    collective computation: every host must sample the same prompts)."""
+    if not multihost:
+        return states
+    import jax
+    if jax.process_count() == 1:
+        return states
+    from jax.experimental import multihost_utils
+    codes = multihost_utils.broadcast_one_to_all(
+        np.asarray([STATES.index(s) for s in states], np.int32))
+    return [STATES[int(c)] for c in np.asarray(codes)]
+
+
+def _resuming(states: list[str]) -> str | None:
+    counts = {s: states.count(s) for s in STATES}
+    if counts[ENCODE] == len(states):
+        return None
+    n = len(states)
+    return (f"resuming: {counts[DONE]} of {n} prompt(s) skipped (their video is there), "
+            f"{counts[DECODE]} decoded from their latents, {counts[SAMPLE]} sampled from their "
+            f"embeddings, {counts[ENCODE]} from the start (--overwrite redoes them all)")
+
+
+# --- the job -----------------------------------------------------------------------------------
 
 def run(args) -> dict:
     if args.input_dir is not None:
@@ -147,10 +265,6 @@ def run(args) -> dict:
     args.model = args.model or DEFAULT_PROMPT_PIPELINE
     entries = read_prompts(args)
     pipe = stage1.pipeline_of(args)
-    if pipe.task == "s2v":
-        raise UsageError(f"--model {pipe.name}: this command does not run speech-to-video yet; "
-                         "run stage1_encode.py, stage2_transformer_flax_deepcache.py and "
-                         "stage3_vae_decode.py")
     folders = _folders(args, len(entries))
     base_seed = args.seed if args.seed is not None else stage2.DEFAULT_SEED
     jobs = []
@@ -163,9 +277,9 @@ def run(args) -> dict:
         check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO)
                        + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
         stage1.check(pipe, request, args.encoder_path)
-        jobs.append((request, run_args, folder))
+        jobs.append(Job(request, run_args, folder, request_id(args, entry, run_args.seed, pipe.name)))
     # stage 2's flags, sizes and outputs, on synthetic inputs: refused here, before any encoder
-    stage2.resolve(copy.copy(jobs[0][1]))
+    stage2.resolve(copy.copy(jobs[0].args))
     stage3_args = stage3.build_parser().parse_args([])
     stage3_args.vae_path, stage3_args.fps = args.vae_path, args.fps
     if args.fps is not None:
@@ -176,74 +290,129 @@ def run(args) -> dict:
         from tpu.distributed import initialize
         initialize(args.coordinator_address, args.num_processes, args.process_id)
     writer = stage2.backend_writer(args)
+    with one_writer(_root(args)) if writer else contextlib.nullcontext():
+        return _job(args, pipe, jobs, stage3_args, writer)
+
+
+_PER_CALL = ("trace", "histograms", "summary")
+
+
+class Job:
+    """One prompt of the job: its stage-1 request, its stage-2 flags, its folder and request id."""
+
+    def __init__(self, request, args, folder: str, request_id: str):
+        self.request, self.args, self.folder, self.id = request, args, folder, request_id
+        self.state = ENCODE
+        self.given = None  # stage 1's (tensors, config), made or read back
+        self.report = None  # stage 2's, when this run sampled it
+        self.decode = None  # stage 3's seconds and compiles, when this run decoded it
+        self.uncached = None  # --compare: the uncached latents
+
+
+def _job(args, pipe, jobs: list[Job], stage3_args, writer: bool) -> dict:
     began = time.perf_counter()
     n = len(jobs)
+    states = [ENCODE] * n if args.overwrite else [
+        folder_state(j.folder, j.id, args.compare) for j in jobs] if writer else [ENCODE] * n
+    for job, state in zip(jobs, _agree(states, args.multihost), strict=True):
+        job.state = state
+    note = _resuming([j.state for j in jobs])
+    if note:
+        _say(writer, note)
 
-    # stage 1: every prompt, then the encoders go before the DiT loads
-    encoded = []
-    for i, (request, _, folder) in enumerate(jobs):
+    # stage 1: every prompt without embeddings of its request, then the encoders go before the
+    # DiT loads
+    for i, job in enumerate(jobs):
+        # the other hosts of a multi-host job encode what they sample (they may not share the
+        # writer's disk)
+        if job.state in (DONE, DECODE) or (job.state == SAMPLE and writer):
+            continue
         t0 = time.perf_counter()
-        tensors, metadata, config = stage1.encode(pipe, request, args.encoder_path,
+        tensors, metadata, config = stage1.encode(pipe, job.request, args.encoder_path,
                                                   args.encoder_device)
-        if writer:
-            write_stage(folder, tensors, EMBEDDINGS, metadata, config)
-        encoded.append((tensors, config))
-        _say(writer, f"[{i + 1}/{n}] stage 1 {time.perf_counter() - t0:.2f} s  {request.prompt!r}")
+        config[REQUEST] = job.id
+        if writer:  # read back when its turn comes: a batch holds one prompt's tensors
+            write_stage(job.folder, tensors, EMBEDDINGS, metadata, config)
+        else:
+            job.given = (tensors, config)
+        _say(writer, f"[{i + 1}/{n}] stage 1 {time.perf_counter() - t0:.2f} s  "
+                     f"{job.request.prompt!r}")
     gc.collect()
 
-    # stage 2: one backend, its programs built for the first prompt's shapes
-    reports, backend, uncached = [], None, []
-    for i, ((_, run_args, _), given) in enumerate(zip(jobs, encoded, strict=True)):
-        r = stage2.resolve(run_args, given)
-        loaded = None
-        if backend is None:
-            backend, loaded = stage2.open_backend(run_args, r)
-        report = stage2.sample_and_write(run_args, r, backend, writer, loaded)
-        reports.append(report)
-        uncached.append(r.get("uncached_latents"))
-        t, c = report["time"], report["compiles"]
-        computed = sum(v["computed"] for v in report["branches"].values())
-        calls = computed + sum(v["reused"] for v in report["branches"].values())
-        _say(writer, f"[{i + 1}/{n}] stage 2 {t['stage_seconds']:.2f} s  computed "
-                     f"{computed}/{calls} calls, speedup {report['speedup']['estimated'] or 0:.2f}x "
-                     f"(ideal {report['speedup']['schedule_ideal']:.2f}x), compiles warm-up "
-                     f"{_lowered(c['warmup'])} loop {_lowered(c['loop'])}")
-    del backend
-    gc.collect()
+    # stages 2 and 3 prompt by prompt: a video is final as soon as its prompt is decoded. One
+    # backend, its programs built for the first sampled prompt's shapes; one VAE and decoder
+    backend, decode = None, _Decoder(args, stage3_args, writer)
+    for i, job in enumerate(jobs):
+        if job.state in (SAMPLE, ENCODE):
+            given = job.given or (read_tensors(os.path.join(job.folder, EMBEDDINGS))[0],
+                                  read_config(job.folder))
+            r = stage2.resolve(job.args, given)
+            loaded = None
+            if backend is None:
+                backend, loaded = stage2.open_backend(job.args, r)
+            report = stage2.sample_and_write(job.args, r, backend, writer, loaded)
+            # the per-call trace stays in the prompt's own telemetry: a batch of thousands keeps
+            # each prompt's figures only
+            job.report = {k: v for k, v in report.items() if k not in _PER_CALL}
+            job.uncached = r.get("uncached_latents")
+            t, c = report["time"], report["compiles"]
+            computed = sum(v["computed"] for v in report["branches"].values())
+            calls = computed + sum(v["reused"] for v in report["branches"].values())
+            _say(writer, f"[{i + 1}/{n}] stage 2 {t['stage_seconds']:.2f} s  computed "
+                         f"{computed}/{calls} calls, speedup "
+                         f"{report['speedup']['estimated'] or 0:.2f}x (ideal "
+                         f"{report['speedup']['schedule_ideal']:.2f}x), compiles warm-up "
+                         f"{_lowered(c['warmup'])} loop {_lowered(c['loop'])}")
+        if job.state != DONE and writer:
+            out = decode(job)
+            job.decode = {"seconds": out["decode_seconds"],
+                          "compiles": out.get("prepare_compiles"),
+                          "loop_compiles": out.get("loop_compiles")}
+            _say(writer, f"[{i + 1}/{n}] stage 3 {out['decode_seconds']:.2f} s  "
+                         f"{os.path.join(job.folder, VIDEO)}")
+        job.given = job.uncached = None  # a long batch holds one prompt's tensors at a time
+    return {"model": pipe.name, "prompts": [j.request.prompt for j in jobs],
+            "videos": [os.path.join(j.folder, VIDEO) for j in jobs] if writer else [],
+            "states": [j.state for j in jobs], "stage2": [j.report for j in jobs],
+            "stage3": [j.decode for j in jobs],
+            "seconds": time.perf_counter() - began, "writer": writer}
 
-    # stage 3: one VAE for every prompt. The mp4 writer starts ffmpeg through subprocess, whose
-    # fork is followed by exec at once; JAX's warning about forking a multithreaded process is
-    # for forks that go on running Python
-    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-    videos, built = [], None
-    for i, (_, _, folder) in enumerate(jobs):
-        if not writer:
-            break
-        decode_args = copy.copy(stage3_args)
-        decode_args.input_dir = folder
+
+class _Decoder:
+    """Stage 3 for every prompt of the job: one VAE, and on JAX one decoder whose programs
+    compile for the first prompt's shapes and are reused by the next ones."""
+
+    def __init__(self, args, stage3_args, writer: bool):
+        self.args, self.stage3_args, self.writer = args, stage3_args, writer
+        self.built, self.decoders = None, {}
+        # The mp4 writer starts ffmpeg through subprocess, whose fork is followed by exec at
+        # once; JAX's warning about forking a multithreaded process is for forks that go on
+        # running Python
+        warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+
+    def __call__(self, job: Job) -> dict:
+        decode_args = copy.copy(self.stage3_args)
+        decode_args.input_dir = job.folder
         r3 = stage3.resolve(decode_args)
         device = stage3._device(None, None)
-        if built is None:
-            built = stage3.build_vae(r3["pipe"], args.vae_path, r3["dtype"])
+        if self.built is None:
+            self.built = stage3.build_vae(r3["pipe"], self.args.vae_path, r3["dtype"])
         also = None
-        if uncached[i] is not None:  # --compare: the uncached video and a strip beside it
+        if job.uncached is not None:  # --compare: the uncached video and a strip beside it
             also = Staged()
-            cached = stage3.video_frames(built[0], r3["latents"].to(device), r3["pipe"])
-            reference = stage3.video_frames(built[0], uncached[i].to(device), r3["pipe"])
-            also.add_folder(folder, lambda tmp, c=cached, u=reference, fps=r3["fps"]:
+            cached = stage3.video_frames(self.built[0], r3["latents"].to(device), r3["pipe"])
+            reference = stage3.video_frames(self.built[0], job.uncached.to(device), r3["pipe"])
+            also.add_folder(job.folder, lambda tmp, c=cached, u=reference, fps=r3["fps"]:
                             _write_compare(tmp, c, u, fps), "--compare")
         try:
             if r3["backend"] == "jax":  # stage 3's default, as stage 2's
-                out = stage3._run_jax(decode_args, r3, built, also)
+                out = stage3._run_jax(decode_args, r3, self.built, also, self.decoders)
             else:
-                out = stage3._run(decode_args, r3, 0, 1, device, built, also)
+                out = stage3._run(decode_args, r3, 0, 1, device, self.built, also)
         finally:
             if also is not None:
                 also.discard()
-        videos.append(os.path.join(folder, VIDEO))
-        _say(writer, f"[{i + 1}/{n}] stage 3 {out['decode_seconds']:.2f} s  {videos[-1]}")
-    return {"model": pipe.name, "prompts": [j[0].prompt for j in jobs], "videos": videos,
-            "stage2": reports, "seconds": time.perf_counter() - began, "writer": writer}
+        return out
 
 
 UNCACHED_VIDEO = "output_video_uncached.mp4"
@@ -266,14 +435,22 @@ def _lowered(counts) -> str:
 def format_summary(report: dict) -> str:
     lines = [f"generate: {report['model']}  {len(report['prompts'])} prompt(s) in "
              f"{report['seconds']:.1f} s"]
-    for prompt, video, r in zip(report["prompts"], report["videos"], report["stage2"],
-                                strict=True):
-        lines.append(f"  {video}  {prompt!r}  speedup {r['speedup']['estimated'] or 0:.2f}x "
-                     f"(schedule ideal {r['speedup']['schedule_ideal']:.2f}x)")
-    first, rest = report["stage2"][0], report["stage2"][1:]
-    later = sum(r["compiles"]["warmup"]["lowered"] for r in rest if r["compiles"]["warmup"])
-    loop = sum(r["compiles"]["loop"]["lowered"] for r in report["stage2"] if r["compiles"]["loop"])
-    if first["compiles"]["warmup"] is not None:
+    for prompt, video, state, r in zip(report["prompts"], report["videos"], report["states"],
+                                       report["stage2"], strict=True):
+        how = (f"speedup {r['speedup']['estimated'] or 0:.2f}x (schedule ideal "
+               f"{r['speedup']['schedule_ideal']:.2f}x)" if r is not None else
+               "skipped: made by an earlier run" if state == DONE else
+               "decoded from an earlier run's latents")
+        lines.append(f"  {video}  {prompt!r}  {how}")
+    sampled = [r for r in report["stage2"] if r is not None]
+    skipped = report["states"].count(DONE)
+    if skipped:
+        lines.append(f"skipped {skipped} of {len(report['prompts'])} prompt(s) whose video an "
+                     "earlier run of the same request made (--overwrite redoes them)")
+    if sampled and sampled[0]["compiles"]["warmup"] is not None:
+        first, rest = sampled[0], sampled[1:]
+        later = sum(r["compiles"]["warmup"]["lowered"] for r in rest if r["compiles"]["warmup"])
+        loop = sum(r["compiles"]["loop"]["lowered"] for r in sampled if r["compiles"]["loop"])
         lines.append(f"compiles: first prompt {first['compiles']['warmup']['lowered']}, later "
                      f"prompts {later}, in the loops {loop}")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ and the video is the clips' frames one after another.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 import warnings
@@ -39,6 +40,7 @@ from modules.vae import (
 )
 from sampling.cli import CommandParser, UsageError, as_int, as_number, command
 from sampling.clips import clip_decodes
+from sampling.one_writer import one_writer
 from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
 from sampling.stage_io import (
     CONFIG,
@@ -337,21 +339,25 @@ def run(args) -> dict:
     """The whole stage; returns the report (rank 0 writes the files)."""
     r = resolve(args)
     if r["backend"] == "jax":
-        return _run_jax(args, r)
+        with one_writer(r["output_dir"]):
+            return _run_jax(args, r)
     parallel = r["grid"] is not None
     device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel else None)
     rank, world = _distributed(device) if parallel else (0, 1)
     try:
-        return _run(args, r, rank, world, device)
+        # rank 0 writes the video: the other ranks of a patch-parallel decode hold nothing
+        with one_writer(r["output_dir"]) if rank == 0 else contextlib.nullcontext():
+            return _run(args, r, rank, world, device)
     finally:
         if world > 1:
             import torch.distributed as dist
             dist.destroy_process_group()
 
 
-def _run_jax(args, r, built=None, also=None):
+def _run_jax(args, r, built=None, also=None, decoders=None):
     """The decode on JAX (tpu/vae.py, imported here: the torch path never loads torchax);
-    `built` and `also` as for `_run`."""
+    `built` and `also` as for `_run`; `decoders`: a dict in which the decoder (its weights on the
+    devices, its compiled programs) is kept for the next decode of the job, by device count."""
     import jax
 
     from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
@@ -363,9 +369,12 @@ def _run_jax(args, r, built=None, also=None):
     # this process's own devices: on a multi-host slice process 0 decodes alone (the
     # prompt-to-video command), so a mesh with another host's devices would wait for it forever
     devices = mesh_size(latents.shape[3], latents.shape[4], len(jax.local_devices()))
-    decoder = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
+    decoders = {} if decoders is None else decoders
+    if devices not in decoders:
+        decoders[devices] = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
+    decoder = decoders[devices]
     shapes = {tuple(c.latents.shape) for c in r["clips"]} if r["clips"] else {tuple(latents.shape)}
-    began = time.perf_counter()
+    began, cold = time.perf_counter(), decoder.compile_counts()
     for shape in sorted(shapes):  # every program compiles here, none in the decode loop
         decoder.prepare(shape)
     compiled = time.perf_counter()
@@ -384,6 +393,7 @@ def _run_jax(args, r, built=None, also=None):
                         extra=dict(vae_backend="jax",
                                    stage3_compile_time=round(compiled - began, 3)))
     report["loop_compiles"] = loop.lowered
+    report["prepare_compiles"] = (before - cold).lowered  # 0 for a decoder kept from a decode before
     return report
 
 

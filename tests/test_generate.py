@@ -172,7 +172,7 @@ def test_a_bad_prompt_file_is_refused_before_any_model_work(tmp_path, capsys, li
     (["--prompt", "red circle moves right on blue", "--encoder_path", "/no/enc"],
      ("--encoder_path /no/enc",)),
     (["--prompt", "red circle moves right on blue", "--input_dir", "."], ("--input_dir",)),
-    (["--prompt", "a man speaks", "--model", "wan-tiny-s2v"], ("speech-to-video",)),
+    (["--prompt", "a man speaks", "--model", "wan-tiny-s2v"], ("--image: not given", "wan-tiny-s2v")),
 ])
 def test_bad_flags_are_refused_before_any_model_work(tmp_path, capsys, argv, needles):
     out = tmp_path / "out"

@@ -1,0 +1,91 @@
+"""One writer per output folder: a run holds the folder for as long as it writes there, and a
+second run into the same folder is refused up front, naming the folder and the run that holds it.
+
+The hold is an flock on a lock file in the folder, so a killed run holds nothing: the kernel
+drops its lock with its last file descriptor, and the next run takes the folder over. The file
+names the holder (pid, host, command) for the refusal, and is removed when the run ends."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+
+from .stage_io import StageFileError
+
+LOCK = ".writer.lock"
+
+
+def _holder(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            who = json.load(f)
+        return (f"pid {who['pid']} on {who['host']}, started {who['started']}: "
+                f"{who['command']}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a run that has not said who it is yet"
+
+
+def _open_locked(path: str) -> int | None:
+    """A descriptor of `path` holding its exclusive flock, or None if another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        # the holder we waited on may have removed the file as it ended: a lock on a removed
+        # file holds nothing, so take the one now at the path
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def one_writer(folder: str, flag: str = "--output_dir"):
+    """Hold `folder` (made if missing) for the block; StageFileError if another live run holds
+    it. Folders it made are removed again if the run leaves them empty (a run that fails
+    leaves nothing behind)."""
+    made, up = [], os.path.abspath(folder)
+    while not os.path.exists(up):
+        made.append(up)
+        up = os.path.dirname(up)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, LOCK)
+        fd = _open_locked(path)
+    except OSError as exc:
+        raise StageFileError(f"{flag} {folder}: could not take it for this run "
+                             f"({exc.strerror or exc}); expected a folder you can create files "
+                             "in") from None
+    if fd is None:
+        raise StageFileError(f"{flag} {folder} is being written by another run ({_holder(path)}); "
+                             "expected one run per output folder: wait for that run to end, or "
+                             f"give another {flag}")
+    try:
+        who = {"pid": os.getpid(), "host": socket.gethostname(),
+               "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(who).encode(), 0)
+    except OSError:
+        pass  # the name is for the refusal's message only; the lock holds without it
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still held: a run waiting on it retries on the new file
+        os.close(fd)
+        for empty in made:  # deepest first; a folder the run wrote into stays
+            try:
+                os.rmdir(empty)
+            except OSError:
+                break
