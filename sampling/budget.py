@@ -26,6 +26,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from cache import CMConfig
 from cache.flags import config_from_fields
 from cache.validate import (
     MISSING,
@@ -41,6 +42,7 @@ from cache.validate import (
     refuse_field,
 )
 
+from .pipelines import PIPELINES
 from .schedulers import SOLVERS
 
 FORMAT = 2  # the profile's "budget" block; 1 was the TeaCache-only threshold curve
@@ -274,9 +276,11 @@ def check(profile) -> dict:
     draws = len(seeds)
     candidates = json_list(budget.get("candidates", MISSING), "budget.candidates",
                            "a non-empty array of measured configurations", min_length=1)
-    for i, c in enumerate(candidates):
-        _check_candidate(c, f"budget.candidates[{i}]", draws)
-    json_str(budget.get("model", MISSING), "budget.model")
+    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws)
+               for i, c in enumerate(candidates)]
+    model = json_str(budget.get("model", MISSING), "budget.model")
+    if model in PIPELINES:  # a profile of another model is refused by the run that reads it
+        _check_blocks(candidates, configs, model, PIPELINES[model].config.num_layers)
     json_int(budget.get("steps", MISSING), "budget.steps", minimum=1)
     if "solver" in budget:
         json_str(budget["solver"], "budget.solver", choices=SOLVERS)
@@ -287,13 +291,13 @@ def check(profile) -> dict:
     return budget
 
 
-def _check_candidate(c, where: str, draws: int) -> None:
+def _check_candidate(c, where: str, draws: int) -> CMConfig:
     json_object(c, where, "an object: label, config, rel_l2, computed")
-    json_str(c.get("label", MISSING), f"{where}.label")
+    label = json_str(c.get("label", MISSING), f"{where}.label")
     fields = json_object(c.get("config", MISSING), f"{where}.config",
                          "an object, a partial CMConfig as a preset gives one")
     try:
-        config_from_fields(fields)
+        config = config_from_fields(fields)
     except ConfigError as exc:
         raise FieldError(f"{where}.config: {exc}") from None
     errors = json_list(c.get("rel_l2", MISSING), f"{where}.rel_l2",
@@ -310,6 +314,28 @@ def _check_candidate(c, where: str, draws: int) -> None:
     for k, f in enumerate(fractions):
         json_number(f, f"{where}.computed[{k}]", minimum=0.0, maximum=1.0,
                     expected="the fraction of block evaluations computed, in [0, 1]")
+    for k, (e, f) in enumerate(zip(errors, fractions, strict=True)):
+        # only a draw that computed every block matches the uncached run exactly; an error of 0
+        # on one that reused was not measured, and its bound of 0 would meet any target
+        if e == 0 and f < 1.0:
+            refuse_field(f"{where}.rel_l2[{k}]", e, f"an error > 0 ({label!r} reused blocks on "
+                                                    f"that draw, computing {f:.3g} of them, and a "
+                                                    "reuse never reproduces the uncached run "
+                                                    "exactly); calibrate again")
+    return config
+
+
+def _check_blocks(candidates, configs, model: str, blocks: int) -> None:
+    """Probe and tail blocks within the model's: a run would refuse the choice without naming the
+    profile it came from."""
+    for i, (c, config) in enumerate(zip(candidates, configs, strict=True)):
+        fn, bn = config.probe_blocks, config.tail_blocks
+        if config.enabled and fn + bn > blocks:
+            key = next((k for k in ("bn_blocks", "fn_blocks") if k in c["config"]), None)
+            where = f"budget.candidates[{i}].config" + (f".{key}" if key else "")
+            refuse_field(where, c["config"][key] if key else c["config"],
+                         f"probe blocks ({fn}) + tail blocks ({bn}) <= {blocks}, the {model} "
+                         "model's blocks (budget.model)")
 
 
 def choose(budget: dict, *, rel_err: float | None = None,

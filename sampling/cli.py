@@ -59,6 +59,9 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
             return 2
         with handled():
             try:
+                if getattr(args, "backend", "torch") != "torch":  # only JAX starts XLA
+                    from .platforms import check_xla_flags  # platforms imports this module
+                    check_xla_flags()
                 report = run(args)
             except errors as exc:
                 if launch_rank() == 0:  # every rank refuses alike; one says so

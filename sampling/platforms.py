@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import shlex
+import subprocess
 import sys
 
 from .cli import UsageError
@@ -105,6 +108,68 @@ def check_jax_platforms(*, probe: bool = True) -> None:
         first = (str(exc).splitlines() or [""])[0].split(" (set JAX_PLATFORMS=")[0]
         raise PlatformError(f"JAX_PLATFORMS={value}: JAX cannot start it ({first}); "
                             f"{_UNSET_OR_CPU}") from None
+
+
+# XLA's log lines from its flag parsers: "F1128 10:32:57.58 2281 parse_flags_from_env.cc:234] ..."
+_FLAG_LOG = re.compile(r"^([EF])\d{4} \S+\s+\d+ (?:parse_flags_from_env|command_line_flags)\.cc:\d+\] "
+                       r"(.*)$", re.MULTILINE)
+_XLA_FLAGS_READ: set[str] = set()  # values of XLA_FLAGS this process has found XLA can read
+XLA_PROBE_TIMEOUT_S = 60.0
+
+
+def check_xla_flags() -> None:
+    """PlatformError unless XLA can read XLA_FLAGS. XLA reads it when JAX starts its first
+    backend, and on anything it cannot read (no --flag and no file of flags, a flag it does not
+    know, a value not of the flag's type) it logs a fatal line and aborts the process, exit 1,
+    before any check of ours. The flags XLA knows are listed nowhere but in XLA, so a child
+    process starts JAX's CPU backend with the same XLA_FLAGS: 0.5 s to 1 s, paid only where
+    XLA_FLAGS is set, once per value in a process."""
+    value = os.environ.get("XLA_FLAGS", "").strip()
+    if not value or value in _XLA_FLAGS_READ:
+        return
+    fix = "fix or unset XLA_FLAGS"
+    if not value.startswith("--") and not os.path.isfile(value):
+        raise PlatformError(f"XLA_FLAGS={value!r}: expected flags, --name or --name=value (XLA "
+                            f"takes a value without a leading -- for a file of flags, and there "
+                            f"is no file {value!r}); {fix}")
+    if value.startswith("--"):
+        try:
+            words = shlex.split(value)
+        except ValueError as exc:
+            raise PlatformError(f"XLA_FLAGS={value!r}: {exc}; expected --name or --name=value "
+                                f"flags separated by spaces; {fix}") from None
+        stray = [w for w in words if not w.startswith("--")]
+        if stray:
+            raise PlatformError(f"XLA_FLAGS: {stray[0]!r} is no flag; expected --name or "
+                                f"--name=value (a value joins its flag with =); {fix}")
+    problem = _xla_flags_problem()
+    if problem is not None:
+        raise PlatformError(f"XLA_FLAGS: {problem}, and would stop the run as it starts; expected "
+                            f"flags this jaxlib's XLA knows, with values of their type; {fix}")
+    _XLA_FLAGS_READ.add(value)
+
+
+def _xla_flags_problem() -> str | None:
+    """What XLA says of XLA_FLAGS as JAX starts its CPU backend in a child process; None when it
+    starts (or the child cannot tell: no jax, or too slow, and the run finds out itself)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")  # never a TPU: libtpu allows one process
+    try:
+        child = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env,
+                               capture_output=True, text=True, timeout=XLA_PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = {level: text.strip() for level, text in reversed(_FLAG_LOG.findall(child.stderr))}
+    if child.returncode == 0 or "F" not in lines:
+        return None
+    unknown = re.match(r"Unknown flags? in XLA_FLAGS: (.*)", lines["F"])
+    if unknown:
+        if tpu_evidence():  # libtpu may know flags the CPU backend does not: left to the run
+            return None
+        return f"XLA does not know {unknown.group(1)}"
+    said = lines.get("E", lines["F"])
+    if said.startswith("Check failed:"):  # "Check failed: tsl::Flags::Parse(...) Flag parsing failed."
+        said = said.rsplit(") ", 1)[-1]
+    return f"XLA cannot read it ({said.rstrip('.')})"
 
 
 def check_jax_attention(name: str | None, *, probe: bool = True) -> None:

@@ -393,3 +393,67 @@ def test_calibrate_refuses_to_write_a_profile_its_loader_would_refuse(tmp_path, 
     assert (f"--out {path}: the calibration gave a profile its loader would refuse "
             "(coefficients[0] nan: expected a finite number") in err, err
     assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+# --- issue 40: an error of 0 where blocks were reused, tail blocks beyond the model ---------------
+
+def _zero_error_where_it_reused(p):
+    """Candidate 0 claims an error of 0 on every draw while computing half the blocks: its bound
+    is 0, and budgeted mode chose it for any target."""
+    c = p["budget"]["candidates"][0]
+    c["rel_l2"], c["computed"] = [0.0] * len(c["rel_l2"]), [0.5] * len(c["computed"])
+
+
+def _bn_beyond_the_model(p):
+    """Candidate 0 with more tail blocks than the model has, and the best measurements, so that
+    budgeted mode chooses it."""
+    c = p["budget"]["candidates"][0]
+    c["config"]["bn_blocks"] = 1000
+    c["rel_l2"] = [1e-12 * (1 + k / 10) for k in range(len(c["rel_l2"]))]
+    c["computed"] = [0.5] * len(c["computed"])
+
+
+def test_an_error_of_0_on_a_draw_that_reused_blocks_is_refused(tmp_path, written):
+    path = tampered(tmp_path, written, _zero_error_where_it_reused)
+    label = written["budget"]["candidates"][0]["label"]
+    with pytest.raises(BudgetError) as refused:
+        budget.load(path)
+    assert one_line(refused.value) == (
+        f"--budget_profile {path}: budget.candidates[0].rel_l2[0] 0.0: expected an error > 0 "
+        f"({label!r} reused blocks on that draw, computing 0.5 of them, and a reuse never "
+        "reproduces the uncached run exactly); calibrate again")
+
+
+def test_an_error_of_0_on_a_draw_that_computed_everything_is_a_measurement(tmp_path, written):
+    def nothing_reused(p):
+        p["budget"]["candidates"][0]["rel_l2"][0] = 0.0
+        p["budget"]["candidates"][0]["computed"][0] = 1.0
+    assert budget.load(tampered(tmp_path, written, nothing_reused))["candidates"][0]["rel_l2"][0] == 0
+
+
+def test_tail_blocks_beyond_the_model_are_refused_naming_the_file(tmp_path, written):
+    path = tampered(tmp_path, written, _bn_beyond_the_model)
+    with pytest.raises(BudgetError) as refused:
+        budget.load(path)
+    message = one_line(refused.value)
+    assert message.startswith(f"--budget_profile {path}: budget.candidates[0].config.bn_blocks "
+                              "1000: expected probe blocks ("), message
+    assert "+ tail blocks (1000) <= " in message and "model's blocks (budget.model)" in message
+
+
+@pytest.mark.parametrize("change, field", [
+    (_zero_error_where_it_reused, "budget.candidates[0].rel_l2[0] 0.0: expected an error > 0"),
+    (_bn_beyond_the_model, "budget.candidates[0].config.bn_blocks 1000: expected probe blocks"),
+], ids=["error 0 where it reused", "bn beyond the model"])
+def test_stage2_refuses_these_profiles_naming_the_file(tmp_path, written, capsys, change, field):
+    """Was: the error-0 candidate chosen for any target and run; the bn one chosen, then refused as
+    "the defaults: probe blocks (1) + tail blocks (1000) exceed ...", naming no file."""
+    path = tampered(tmp_path, written, change)
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    assert stage2.main([*stage2_argv(tmp_path / "out"), "--budget_profile", path,
+                        "--budget_rel_err", "1e-9"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert f"--budget_profile {path}: {field}" in err, err
+    assert snapshot(tmp_path) == before

@@ -10,9 +10,13 @@ persistent cache served.
 from __future__ import annotations
 
 import os
+import pathlib
 import threading
+import time
+import uuid
 
 import jax
+from jax._src import compilation_cache as jax_compilation_cache
 
 from sampling.loop import CompileCounts
 
@@ -59,18 +63,79 @@ def compile_counts() -> CompileCounts:
 
 
 def remove_empty_entries(directory: str) -> int:
-    """Remove 0-byte cache entries (a write that met a full disk leaves them; JAX then warns
-    about each on every later run and never rewrites it). Returns how many went."""
+    """Remove 0-byte cache entries (a write that met a full disk left them before entries were
+    written whole, and a JAX of another program may still; JAX then warns about each on every
+    later run and never rewrites it), and the temporary files of writes a kill cut short (an
+    hour old: a live writer on another host of a shared cache may be writing one now). Returns
+    how many went."""
     removed = 0
+    stale = time.time() - 3600
     with os.scandir(directory) as entries:
         for entry in entries:
             try:
-                if entry.is_file(follow_symlinks=False) and entry.stat().st_size == 0:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                info = entry.stat()
+                if info.st_size == 0 or (entry.name.endswith(_PART) and info.st_mtime < stale):
                     os.remove(entry.path)
                     removed += 1
             except OSError:
                 pass
     return removed
+
+
+# --- whole entries: JAX's local cache writes an entry in place (LRUCache.put -> Path.write_bytes,
+# jax 0.10.2): a full disk or a kill leaves a 0-byte or cut entry under its final name, which the
+# other hosts of a slice sharing the folder read first. Entries are written to a temporary name
+# beside it and renamed in instead. Remove once JAX writes them atomically itself.
+
+_PART = ".part"  # the suffix of an entry being written
+
+
+class _WholeFiles(type(pathlib.Path())):
+    """A path whose write_bytes is whole or nothing (a temporary file renamed in); paths made
+    from it (cache_dir / name) are of this kind too."""
+
+    def write_bytes(self, data) -> int:
+        part = self.with_name(f".{self.name}.{uuid.uuid4().hex}{_PART}")
+        try:
+            written = pathlib.Path.write_bytes(part, data)
+            os.replace(part, self)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        return written
+
+
+def _write_whole_entries(cache) -> None:
+    base = getattr(cache, "_base_cache", cache)  # VerificationCache wraps the LRUCache
+    path = getattr(base, "path", None)
+    # A bucket's objects appear whole already. With a size limit (jax_compilation_cache_max_size)
+    # JAX's eviction reads sizes the way its own path type (etils.epath, where installed) gives
+    # them: left as JAX writes it (0-byte entries are removed at the next start).
+    if isinstance(path, pathlib.PurePath) and "://" not in str(path) \
+            and not getattr(base, "eviction_enabled", True):
+        base.path = base._path = _WholeFiles(str(path))
+
+
+def _whole_entries(get_file_cache):
+    def made(path):
+        found = get_file_cache(path)
+        if found is not None:
+            _write_whole_entries(found[0])
+        return found
+    made.whole_entries = True
+    return made
+
+
+def write_whole_entries() -> None:
+    """Make the persistent cache JAX opens (lazily, at the first compile) write its entries
+    whole; and the one it has opened already. A JAX without these internals is left as it is."""
+    opener = getattr(jax_compilation_cache, "get_file_cache", None)
+    if opener is not None and not getattr(opener, "whole_entries", False):
+        jax_compilation_cache.get_file_cache = _whole_entries(opener)
+    if getattr(jax_compilation_cache, "_cache", None) is not None:
+        _write_whole_entries(jax_compilation_cache._cache)
 
 
 def is_remote(directory: str) -> bool:
@@ -103,6 +168,7 @@ def enable_compile_cache(directory: str | None) -> str | None:
     else:
         os.makedirs(directory, exist_ok=True)
         remove_empty_entries(directory)
+    write_whole_entries()
     jax.config.update("jax_compilation_cache_dir", directory)
     # Cache every program, however small or fast to compile: warm-up is the cost we remove.
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

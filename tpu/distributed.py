@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import jax
 
+from sampling.cli import UsageError
+
+# JAX's words for a part of the layout it could not find -> ours
+_LAYOUT = (("coordinator_address", "coordinator address"), ("Number of processes", "process count"),
+           ("process id", "process id"))
+
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> tuple[int, int]:
@@ -19,8 +25,18 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         # CPU devices of several processes talk through gloo (the default has no cross-process
         # collectives); TPU and GPU use their own interconnect
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address,
+                                   num_processes=num_processes, process_id=process_id)
+    except ValueError as exc:
+        # what neither the flags nor the cluster's environment gave: JAX says so before it
+        # starts anything (jax/_src/distributed.py), as a traceback a user cannot act on
+        found = [name for key, name in _LAYOUT if key in str(exc)]
+        why = (f"JAX found no {found[0]}: this host is not a TPU slice, where JAX finds the "
+               "job's layout itself" if found else f"JAX refused the job's layout ({exc})")
+        raise UsageError(f"--multihost: {why}; pass --coordinator_address HOST:PORT, "
+                         "--num_processes N and --process_id I on every host, or run on a TPU "
+                         "slice") from None
     return jax.process_index(), jax.process_count()
 
 
