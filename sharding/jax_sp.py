@@ -49,6 +49,7 @@ def default_weights(mesh) -> str:
 
 def make_mesh(sp: int = 1, cfg: int = 1, devices=None) -> Mesh:
     """A (cfg, sp) mesh of Auto axes over the first cfg * sp devices."""
+    job = devices is None
     devices = list(jax.devices() if devices is None else devices)
     for name, size in (("sp", sp), ("cfg", cfg)):
         if not isinstance(size, int) or size < 1:
@@ -60,6 +61,11 @@ def make_mesh(sp: int = 1, cfg: int = 1, devices=None) -> Mesh:
                 "set before jax starts)") if jax.default_backend() == "cpu" else ""
         raise ValueError(f"a mesh of sp={sp} x cfg={cfg} needs {sp * cfg} devices; "
                          f"{len(devices)} are visible ({jax.default_backend()}){hint}")
+    if job and jax.process_count() > 1 and sp * cfg != len(devices):
+        # a host with no device in the mesh holds no shard of its arrays: JAX fails placing them
+        raise ValueError(f"a job of {jax.process_count()} hosts runs one mesh over all "
+                         f"{len(devices)} of their devices; sp={sp} x cfg={cfg} covers "
+                         f"{sp * cfg}: expected sp x cfg = {len(devices)}")
     return Mesh(np.array(devices[: sp * cfg]).reshape(cfg, sp), AXES)
 
 

@@ -123,3 +123,60 @@ def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_pa
     assert split > total / 2  # most of the bytes: each process skipped a quarter of the file
     assert report["load"] == {**report["load"], "bytes_read": total - split // 2,
                               "checkpoint_bytes": total}
+
+
+def _generate_two_hosts(out, prompts, *extra):
+    address = f"127.0.0.1:{_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "generate.py"), "--prompts", str(prompts), "--output_dir",
+         str(out), "--enable_cache", "--no_progress", "--num_inference_steps", "4",
+         "--compile_cache_dir", "none", "--multihost", "--coordinator_address", address,
+         "--num_processes", "2", "--process_id", str(i), "--cfg_parallel", *extra],
+        env=_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (0, 1)]
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    return results
+
+
+def test_a_preempted_two_host_batch_resumes_as_one_host_does(tmp_path):
+    """Process 0 reads what each prompt's folder holds and tells process 1: both skip the
+    finished prompt and sample only the one whose latents are gone."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("red circle moves right on blue\ngreen square moves up on black\n"
+                       "blue circle moves left on white\n")
+    out = tmp_path / "out"
+    _generate_two_hosts(out, prompts)
+    videos = {d: (out / d / "output_video.mp4").read_bytes() for d in ("001", "002", "003")}
+    # as a preemption leaves it: the 2nd prompt decoded from its latents next time, the 3rd
+    # sampled again from its embeddings
+    (out / "002" / "output_video.mp4").unlink()
+    config = json.loads((out / "003" / CONFIG).read_text())
+    (out / "003" / "output_video.mp4").unlink()
+    (out / "003" / LATENTS).unlink()
+    stage1 = {k: v for k, v in config.items() if k in ("model", "height", "width", "video_length",
+                                                       "prompt", "negative_prompt", "request_id")}
+    (out / "003" / CONFIG).write_text(json.dumps(stage1))
+    (_, err0), (_, err1) = _generate_two_hosts(out, prompts)
+    assert "resuming: 1 of 3 prompt(s) skipped (their video is there), 1 decoded from their " \
+           "latents, 1 sampled from their embeddings" in err0, err0
+    assert "resuming" not in err1  # process 0 alone prints
+    assert {d: (out / d / "output_video.mp4").read_bytes() for d in ("001", "002", "003")} == videos
+
+
+def test_a_mesh_that_leaves_a_host_without_work_is_one_line(tmp_path):
+    """Was: a traceback from JAX placing weights on a host with no device in the mesh."""
+    address = f"127.0.0.1:{_port()}"
+    procs = [subprocess.Popen(
+        [sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"), "--model", MODEL,
+         "--num_inference_steps", "1", "--compile_cache_dir", "none", "--no_progress",
+         "--multihost", "--coordinator_address", address, "--num_processes", "2", "--process_id",
+         str(i), "--output_dir", str(tmp_path / "out")],
+        env=_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (0, 1)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], results
+    err = results[0][1]
+    assert "Traceback" not in err and "sp=1 x cfg=1 covers 1: expected sp x cfg = 2" in err, err
+    assert not (tmp_path / "out").exists()
