@@ -22,7 +22,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -30,7 +29,7 @@ from collections.abc import Mapping
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from cache.validate import FieldError, read_json
 
@@ -330,23 +329,18 @@ def write_stage(directory: str, tensors: Mapping[str, torch.Tensor], tensors_nam
     meta["dtype_info"] = json.dumps({k: str(t.dtype) for k, t in tensors.items()})
     return _write_with_config(
         directory, tensors_name, ".tmp",
-        lambda tmp: _save_tensors({k: t.contiguous() for k, t in tensors.items()}, tmp, meta),
+        lambda tmp: write_tensors({k: t.contiguous() for k, t in tensors.items()}, tmp, meta),
         config, also)
 
 
-def _save_tensors(tensors: Mapping[str, torch.Tensor], path: str, metadata: dict) -> None:
-    """save_file, a failed write raised as the OSError it is: safetensors raises its own error
-    type, the OS error only in its text ("I/O error: No space left on device (os error 28)";
-    older versions "IoError(Os { code: 28, ... })"), which _write_with_config would not take for a
-    write that failed."""
-    try:
-        save_file(tensors, path, metadata=metadata)
-    except SafetensorError as exc:
-        found = re.search(r"\(os error (\d+)\)|Os \{ code: (\d+)", str(exc))
-        if found is None:
-            raise
-        code = int(found.group(1) or found.group(2))
-        raise OSError(code, os.strerror(code)) from None
+def write_tensors(tensors: Mapping[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
+    """The safetensors bytes, written by us into `path` (our temporary file). save_file would
+    write them into a `.tmpXXXXXX` of its own beside it and rename that in (safetensors 0.8): a
+    file a kill leaves that no recovery of ours knows, and a full disk raised as its own error
+    type, not the OSError it is."""
+    data = save(dict(tensors), metadata=metadata)
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _write_with_config(directory: str, name: str, suffix: str, write_payload,

@@ -51,13 +51,13 @@ def main() -> int:
                 pass
         stage2.progress.steps = lambda total, desc="denoise": Held()
     elif point == "payload":
-        real_save = stage_io.save_file
+        real_save = stage_io.write_tensors
 
         def save(tensors, path, metadata=None):
             real_save(tensors, path, metadata=metadata)
             say("held")
             hold()
-        stage_io.save_file = save
+        stage_io.write_tensors = save
     elif point == "encode":
         import imageio.v2 as imageio
         real_writer = imageio.get_writer

@@ -41,7 +41,7 @@ def _arm_and_run(point: int, command, argv, writer_module, writer_name) -> None:
 
     for module, name in ((os, "replace"), (os, "remove"), (os, "rmdir"), (os, "fsync"),
                          (os, "makedirs"), (tempfile, "mkstemp"), (tempfile, "mkdtemp"),
-                         (json, "dump"), (stage_io, "save_file"), (shutil, "rmtree")):
+                         (json, "dump"), (stage_io, "write_tensors"), (shutil, "rmtree")):
         setattr(module, name, counted(getattr(module, name)))
     writer = getattr(writer_module, writer_name)
 

@@ -95,7 +95,7 @@ def test_missing_files_and_bad_json(tmp_path):
 
 
 def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
-    real = stage_io.save_file
+    real = stage_io.write_tensors
 
     def disk_full(tensors, path, metadata=None):
         with open(path, "wb") as f:
@@ -103,14 +103,14 @@ def test_a_failed_write_leaves_no_partial_output(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     out = tmp_path / "out"
-    monkeypatch.setattr(stage_io, "save_file", disk_full)
+    monkeypatch.setattr(stage_io, "write_tensors", disk_full)
     with pytest.raises(StageFileError, match="disk is full"):
         write_stage2(str(out), torch.zeros(1, 4, 1, 2, 2), {}, {"a": 1})
     assert list(out.iterdir()) == []
     # a rerun that fails keeps the previous run's files, untouched
-    monkeypatch.setattr(stage_io, "save_file", real)
+    monkeypatch.setattr(stage_io, "write_tensors", real)
     write_stage2(str(out), torch.ones(1), {}, {"run": 1})
-    monkeypatch.setattr(stage_io, "save_file", disk_full)
+    monkeypatch.setattr(stage_io, "write_tensors", disk_full)
     with pytest.raises(StageFileError, match="earlier runs are as they were"):
         write_stage2(str(out), torch.zeros(1), {}, {"run": 2})
     latents, _, config = read_stage2(str(out))
