@@ -41,7 +41,7 @@ import numpy as np
 
 from sampling.cli import CommandParser, UsageError, as_int, command
 from sampling.one_writer import one_writer
-from sampling.pipelines import DEFAULT_PROMPT_PIPELINE
+from sampling.pipelines import DEFAULT_PIPELINE
 from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
@@ -262,7 +262,7 @@ def run(args) -> dict:
     if args.input_dir is not None:
         raise UsageError("--input_dir: this command makes its own stage-1 inputs from the "
                          "prompts; run stage2_transformer_flax_deepcache.py for a stage-1 folder")
-    args.model = args.model or DEFAULT_PROMPT_PIPELINE
+    args.model = args.model or DEFAULT_PIPELINE
     entries = read_prompts(args)
     pipe = stage1.pipeline_of(args)
     folders = _folders(args, len(entries))
@@ -278,7 +278,8 @@ def run(args) -> dict:
                        + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
         stage1.check(pipe, request, args.encoder_path)
         jobs.append(Job(request, run_args, folder, request_id(args, entry, run_args.seed, pipe.name)))
-    # stage 2's flags, sizes and outputs, on synthetic inputs: refused here, before any encoder
+    # stage 2's flags, sizes and outputs, checked on the first prompt: refused here, before any
+    # model loads
     stage2.resolve(copy.copy(jobs[0].args))
     stage3_args = stage3.build_parser().parse_args([])
     stage3_args.vae_path, stage3_args.fps = args.vae_path, args.fps

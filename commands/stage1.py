@@ -19,7 +19,8 @@ import os
 import encoders
 from encoders import EncoderInputError, Request
 from sampling.cli import CommandParser, UsageError, as_int, command
-from sampling.pipelines import DEFAULT_PROMPT_PIPELINE, PIPELINES, get_pipeline
+from sampling.one_writer import one_writer
+from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
 from sampling.stage_io import CONFIG, EMBEDDINGS, StageFileError, check_writable, write_stage
 
 ERRORS = (UsageError, EncoderInputError, StageFileError)
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sizes: bool = True) -> Non
     if sizes:
         g = parser.add_argument_group("inputs and model")
         g.add_argument("--model", default=None, help=f"named pipeline, one of {', '.join(PIPELINES)} "
-                       f"(default {DEFAULT_PROMPT_PIPELINE})")
+                       f"(default {DEFAULT_PIPELINE})")
         g.add_argument("--height", type=int)
         g.add_argument("--width", type=int)
         g.add_argument("--video_length", type=int)
@@ -82,7 +83,7 @@ def request_of(args, prompt: str, **override) -> Request:
 
 def pipeline_of(args):
     try:
-        return get_pipeline(args.model or DEFAULT_PROMPT_PIPELINE)
+        return get_pipeline(args.model or DEFAULT_PIPELINE)
     except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
 
@@ -114,8 +115,9 @@ def run(args) -> dict:
     request = request_of(args, args.prompt)
     check_writable(args.output_dir, "--output_dir", (EMBEDDINGS, CONFIG))
     check(pipe, request, args.encoder_path)
-    tensors, metadata, config = encode(pipe, request, args.encoder_path, args.encoder_device)
-    outputs = write_stage(args.output_dir, tensors, EMBEDDINGS, metadata, config)
+    with one_writer(args.output_dir):
+        tensors, metadata, config = encode(pipe, request, args.encoder_path, args.encoder_device)
+        outputs = write_stage(args.output_dir, tensors, EMBEDDINGS, metadata, config)
     return {"model": pipe.name, "prompt": request.prompt, "outputs": outputs,
             "tensors": {k: list(v.shape) for k, v in tensors.items()}}
 

@@ -1,7 +1,8 @@
 """Stage 2 of the pipeline as a command: flags, checks, sampling, stage files, summary.
 
 Order of work, so that bad input never costs a compile and never leaves output behind:
-resolve flags -> read and check stage-1 files (or synthesize them) -> load the model(s) ->
+resolve flags -> read and check stage-1 files (or encode the prompt in-process on a model with a
+built-in text encoder, or synthesize them) -> load the model(s) ->
 build the backend -> warm up (every program compiles here) -> the timed loop -> (the uncached
 comparison) -> write stage2_latents.safetensors and generation_config.json atomically.
 """
@@ -9,9 +10,11 @@ comparison) -> write stage2_latents.safetensors and generation_config.json atomi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -19,6 +22,8 @@ import torch
 from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments, config_from_args
 from cache.telemetry import trace_csv
+from encoders import EncoderInputError
+from encoders.word_table import FOLDER as WORD_TABLE
 from modules import ops
 from modules.checkpoint import (
     CheckpointError,
@@ -37,8 +42,10 @@ from sampling.budget import load as budget_load
 from sampling.cli import CommandParser, UsageError, as_int, as_number, command
 from sampling.clips import decode_inputs, decode_metadata, sample_clips
 from sampling.fidelity import fidelity
+from sampling.one_writer import one_writer
 from sampling.pipelines import (
     DEFAULT_PIPELINE,
+    DEFAULT_PROMPT,
     MAX_GUIDANCE,
     MAX_STEPS,
     MAX_TOKENS,
@@ -73,6 +80,10 @@ from sampling.stage_io import (
     write_stage2,
 )
 from sampling.stages import SignalPlan, check_remodulate
+
+from .stage1 import check as check_request
+from .stage1 import encode as encode_request
+from .stage1 import request_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEED = 42
@@ -156,13 +167,14 @@ def _check_finite(latents, r, args) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("stage files")
     g.add_argument("--input_dir", help=f"stage-1 folder ({EMBEDDINGS}, generation_config.json); "
-                   "default: synthesize stage-1 inputs from --seed")
+                   "default: encode --prompt in-process (models with a built-in text encoder, "
+                   "the default one), else synthesize stage-1 inputs from --seed")
     g.add_argument("--output_dir", help="where stage2_latents.safetensors goes (default: "
                    "--input_dir, else ./stage_outputs)")
     g = parser.add_argument_group("model and sampling (defaults: the model's, see --model)")
     g.add_argument("--model", help=f"named pipeline, one of {', '.join(PIPELINES)} (default: the "
                    f"input config's `model` or `transformer_version`, else {DEFAULT_PIPELINE}, "
-                   "tiny random weights)")
+                   "the tiny model trained here)")
     g.add_argument("--model_path", help="checkpoint (file or folder); Wan2.2 I2V-A14B: the folder "
                    "holding high_noise_model/ and low_noise_model/")
     g.add_argument("--dtype", choices=tuple(DTYPES), help="weights (default bf16 with --model_path, "
@@ -252,10 +264,14 @@ SECTIONS = {"stage files": "inputs and model",
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
-        common=COMMON, sections=SECTIONS,
+        common=COMMON | {"prompt"}, sections=SECTIONS,
         description="Stage 2 (the denoising loop) of a video DiT with feature caching, on JAX "
                     "through torchax.")
     add_arguments(parser)
+    # here, not in add_arguments: the prompt-to-video command has its own --prompt
+    parser.add_argument_group("stage files").add_argument(
+        "--prompt", help=f"without --input_dir, on a model with a built-in text encoder: what "
+        f"the video shows, encoded in-process (default {DEFAULT_PROMPT!r})")
     return parser
 
 
@@ -348,6 +364,9 @@ def _check_flags(args) -> None:
     if args.process_id is not None:
         as_int("--process_id", args.process_id, minimum=0,
                maximum=(args.num_processes - 1) if args.num_processes else None)
+    if args.input_dir is not None and getattr(args, "prompt", None) is not None:
+        raise UsageError("--prompt and --input_dir are alternatives: the stage-1 folder holds "
+                         "its prompt's embeddings; give one")
     for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir", "budget_profile"):
         if getattr(args, flag) == "":
             raise UsageError(f"--{flag} '': expected a path")
@@ -464,6 +483,7 @@ def resolve(args, given: tuple[dict, dict] | None = None) -> dict:
         builtin = ", ".join(n for n, p in PIPELINES.items() if p.builtin is not None)
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
                          f"(or pick a model with built-in weights: {builtin})")
+    prompt, encoder = _prompt(args, pipe, given)
     if args.num_clips is not None and pipe.task != "s2v":
         raise UsageError(f"--num_clips belongs to speech-to-video models; {pipe.name} samples one "
                          "clip")
@@ -501,6 +521,11 @@ def resolve(args, given: tuple[dict, dict] | None = None) -> dict:
     elif args.input_dir is not None:
         image = pipe.task == "i2v" or (pipe.task == "ti2v" and _has_image(args.input_dir))
         tensors, stage1 = read_stage1(args.input_dir, pipe.stage1_specs(latent_shape, cfg_on, image))
+    elif prompt is not None:
+        image = False
+        tensors, stage1_fields = _encode_prompt(pipe, prompt, encoder, size)
+        check_tensors(tensors, pipe.stage1_specs(latent_shape, cfg_on, image), "--prompt")
+        stage1 = stage1_fields  # recorded as a stage-1 folder's config would be (the prompt)
     else:
         image = pipe.task == "i2v"
         tensors = pipe.synthesize(latent_shape, cfg_on, image, seed)
@@ -519,7 +544,46 @@ def resolve(args, given: tuple[dict, dict] | None = None) -> dict:
                 guidance=guidance,
                 solver=args.sample_solver or pipe.solver, latent_shape=latent_shape,
                 size=tuple(size), tensors=tensors, stage1=stage1,
-                image=image, output_dir=output_dir, dtype=dtype, clips=clips)
+                image=image, output_dir=output_dir, dtype=dtype, clips=clips, prompt=prompt,
+                synthetic=given is None and args.input_dir is None and prompt is None)
+
+
+def _prompt(args, pipe, given) -> tuple[str | None, str | None]:
+    """(prompt, encoder weights) stage 2 encodes itself: without stage-1 inputs, on a model whose
+    text encoder is built in (the trained tiny models; with --model_path, the checkpoint's own).
+    (None, None): the inputs come from elsewhere, or are synthesized from --seed."""
+    if given is not None or args.input_dir is not None:
+        return None, None
+    if pipe.encoders is None:
+        return None, None
+    weights = args.model_path
+    if weights is not None and not os.path.isdir(os.path.join(weights, WORD_TABLE)):
+        return None, None
+    prompt = getattr(args, "prompt", None)
+    return (DEFAULT_PROMPT if prompt is None else prompt), weights
+
+
+def _encode_prompt(pipe, prompt: str, weights, size) -> tuple[dict, dict]:
+    """(stage-1 tensors, config fields) of `prompt`, as stage 1 encodes them (the model's text
+    encoder, on the host)."""
+    height, width, frames = size
+    request = request_of(argparse.Namespace(
+        negative_prompt=None, image=None, audio=None, height=height, width=width,
+        video_length=frames, num_clips=None), prompt)
+    try:
+        check_request(pipe, request, weights)
+        tensors, _, fields = encode_request(pipe, request, weights, "cpu")
+    except EncoderInputError as exc:
+        raise UsageError(str(exc)) from None
+    return tensors, fields
+
+
+def check_prompt_used(args, r) -> None:
+    """Stage 2's own --prompt on a model it cannot encode prompts for is refused, not ignored."""
+    if getattr(args, "prompt", None) is not None and r["prompt"] is None:
+        raise UsageError(f"--prompt: stage 2 holds no text encoder for {r['pipe'].name} and "
+                         "synthesizes its inputs from --seed; encode the prompt with "
+                         "stage1_encode.py and pass --input_dir, or drop --prompt")
 
 
 def _check_outputs(args) -> str:
@@ -682,6 +746,7 @@ def run(args) -> dict:
     """The whole stage; returns the report printed and written as telemetry. Under torchrun
     every rank samples (the collectives need them all) and only rank 0 writes and prints."""
     r = resolve(args)
+    check_prompt_used(args, r)
     if args.multihost:  # before anything touches JAX (importing the backend does)
         from tpu.distributed import initialize
         initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -696,8 +761,10 @@ def run(args) -> dict:
 
 def _run(args, r, layout) -> dict:
     writer = layout.rank == 0 if layout is not None else backend_writer(args)
-    backend, loaded = open_backend(args, r, layout)
-    return sample_and_write(args, r, backend, writer, loaded)
+    # the writer holds the output folder for the run: a second run into it is refused up front
+    with one_writer(r["output_dir"]) if writer else contextlib.nullcontext():
+        backend, loaded = open_backend(args, r, layout)
+        return sample_and_write(args, r, backend, writer, loaded)
 
 
 def open_backend(args, r, layout=None):
@@ -781,7 +848,7 @@ def sample_and_write(args, r, backend, writer: bool, loaded: dict | None = None)
             **fidelity(latents, reference, noise),
         }
         r["uncached_latents"] = reference  # for a caller that decodes both (generate --compare)
-        report["warnings"] += speedup_remarks(report)
+    report["warnings"] += speedup_remarks(report)
     if loaded is not None:
         report["load"] = loaded
     report["writer"] = writer
@@ -838,6 +905,17 @@ def _counts(c):
     return None if c is None else {"lowered": c.lowered, "backend": c.backend, "cache_hits": c.cache_hits}
 
 
+def estimate_speedup(step_seconds, step_computed, loop_seconds) -> float | None:
+    """The loop's speedup over running every step as a computed one: steps x the median computed
+    step over the loop's wall time (speech-to-video: every clip's steps over every clip's loop).
+    The median, not the mean: one slow computed step (a stall of the host) would otherwise count
+    once in the loop's time but steps / computed times over in the uncached estimate."""
+    full = [s for s, c in zip(step_seconds, step_computed, strict=True) if c]
+    if not full or loop_seconds <= 0:
+        return None
+    return median(full) * len(step_seconds) / loop_seconds
+
+
 def _report(r, traj, backend, plan, args, seconds) -> dict:
     stats, gate = traj.stats, traj.gate
     full = [s for s, c in zip(stats.step_seconds, stats.step_computed, strict=True) if c]
@@ -849,6 +927,8 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         "guidance": r["guidance"] if r["guidance"] is not None else r["pipe"].guidance,
         "latent_shape": list(r["latent_shape"]), "tokens": r["pipe"].tokens(r["latent_shape"]),
         "num_clips": r["clips"],
+        # where the stage-1 inputs came from: this prompt encoded here, synthetic, or given
+        "prompt": r.get("prompt"), "synthetic_inputs": r.get("synthetic", False),
         "attention": backend.attention, "device": backend.device_name(), "backend": args.backend,
         "cache": {"modes": list(gate.config.modes), "preset": args.preset,
                   "probe_blocks": plan.fn_blocks,
@@ -861,14 +941,21 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
         "failsafes": {k: v for k, v in summary["failsafes"].items() if v},
         "compiles": {"warmup": _counts(traj.warmup_compiles), "loop": _counts(traj.loop_compiles),
                      "warmup_seconds": traj.warmup_seconds},
-        "time": {"loop_seconds": stats.wall_seconds, "full_step_seconds": mean(full),
-                 "cached_step_seconds": mean(cached), "full_steps": len(full),
+        "time": {"loop_seconds": stats.wall_seconds, "full_step_seconds": median(full),
+                 "cached_step_seconds": median(cached), "full_steps": len(full),
                  "cached_steps": len(cached), "signal_reads": stats.signal_reads,
-                 "stage_seconds": seconds},
+                 "stage_seconds": seconds,
+                 # what the estimate is computed from (every clip's steps, one after another)
+                 "step_seconds": list(stats.step_seconds),
+                 "step_computed": list(stats.step_computed)},
         "speedup": {
             "schedule_ideal": layer_ideal(blocks, len(full), len(cached), plan.fn_blocks,
                                           plan.reuse_tail_blocks),
-            "estimated": (mean(full) * len(stats.step_seconds) / stats.wall_seconds) if full else None,
+            # what the ideal counts a reused step as: its blocks (probe, tail, head as one) of
+            # a computed step's
+            "reused_step_share": (plan.fn_blocks + plan.reuse_tail_blocks + 1) / (blocks + 1),
+            "estimated": estimate_speedup(stats.step_seconds, stats.step_computed,
+                                          stats.wall_seconds),
         },
         "budget": r["budget"],
         "clips": summary.get("clips"),  # speech-to-video: computed/reused per clip and branch
@@ -880,12 +967,16 @@ def _report(r, traj, backend, plan, args, seconds) -> dict:
     }
 
 
-NOISE = 0.15  # measured over the schedule ideal by more than this: said to be timing noise
+NOISE = 0.15  # a speedup off its schedule ideal by more than this has its cause stated
 
 
 def speedup_remarks(report: dict) -> list[str]:
-    """What a --compare run's measured speedup means when it is below 1 or above what the
-    schedule allows (a cached run cannot save more than the blocks it skips)."""
+    """Why a speedup is off what the schedule allows: the estimate when it is more than NOISE
+    above or below the ideal, and a --compare run's measured speedup when it is below 1 or more
+    than NOISE above the ideal (a cached run cannot save more than the blocks it skips)."""
+    remarks = _estimate_remarks(report)
+    if "compare" not in report:
+        return remarks
     t, ideal = report["time"], report["speedup"]["schedule_ideal"]
     measured = report["compare"]["speedup"]
     steps = t["full_steps"] + t["cached_steps"]
@@ -894,18 +985,58 @@ def speedup_remarks(report: dict) -> list[str]:
         cached = t["cached_step_seconds"]
         cost = (f"a reused step took {_ms(cached)} against {_ms(t['full_step_seconds'])} for a "
                 f"computed one" if cached is not None else "no step was reused")
-        return [f"measured speedup {measured:.2f}x is below 1, slower than uncached: {cost}, and "
-                f"{t['cached_steps']} of {steps} steps were reused (schedule ideal {ideal:.2f}x); "
-                "the probe, signal reads and tail that every step runs outweigh the skipped "
-                "blocks here (small models, busy hosts); reuse more (a larger --budget_speedup "
-                "or threshold) or run uncached"]
+        return remarks + [
+            f"measured speedup {measured:.2f}x is below 1, slower than uncached: {cost}, and "
+            f"{t['cached_steps']} of {steps} steps were reused (schedule ideal {ideal:.2f}x); "
+            "the probe, signal reads and tail that every step runs outweigh the skipped "
+            "blocks here (small models, busy hosts); reuse more (a larger --budget_speedup "
+            "or threshold) or run uncached"]
     if measured > ideal * (1 + NOISE):
-        return [f"measured speedup {measured:.2f}x is above the schedule ideal {ideal:.2f}x, "
-                f"which bounds what skipping blocks can save: the uncached run's steps took "
-                f"{_ms(uncached_step)} on average against {_ms(t['full_step_seconds'])} for the "
-                "cached run's computed ones, so the host's speed changed between the runs "
-                "(timing noise); trust the ideal and the estimate"]
-    return []
+        return remarks + [
+            f"measured speedup {measured:.2f}x is above the schedule ideal {ideal:.2f}x, "
+            f"which bounds what skipping blocks can save: the uncached run's steps took "
+            f"{_ms(uncached_step)} on average against {_ms(t['full_step_seconds'])} for the "
+            "cached run's computed ones, so the host's speed changed between the runs "
+            "(timing noise); trust the ideal and the estimate"]
+    return remarks
+
+
+def _estimate_remarks(report: dict) -> list[str]:
+    """The estimate's cause when it is more than NOISE off the schedule ideal, from the run's
+    recorded step times: loop compiles, the cost of a reused step against what the ideal counts
+    for it, or steps whose times spread (the host's speed changed during the loop)."""
+    t, s = report["time"], report["speedup"]
+    est, ideal, share = s.get("estimated"), s["schedule_ideal"], s.get("reused_step_share")
+    if est is None or ideal * (1 - NOISE) <= est <= ideal * (1 + NOISE):
+        return []
+    above = est > ideal
+    head = (f"estimated speedup {est:.2f}x is {'above' if above else 'below'} the schedule ideal "
+            f"{ideal:.2f}x by more than {NOISE:.0%}")
+    loop = (report.get("compiles") or {}).get("loop") or {}
+    if loop.get("lowered"):
+        return [f"{head}: {loop['lowered']} program(s) compiled inside the timed loop's steps "
+                "(the warm-up missed them), which the computed steps' times include; trust the "
+                "ideal, and report the compile"]
+    full, cached = t["full_step_seconds"], t["cached_step_seconds"]
+    full_times = [x for x, c in zip(t.get("step_seconds", ()), t.get("step_computed", ()),
+                                    strict=True) if c]
+    spread = (f"computed steps took {_ms(min(full_times))} to {_ms(max(full_times))}"
+              if full_times else "")
+    if cached is None or share is None or not full:
+        return [f"{head}: {spread or 'no step time recorded'} (timing noise)"]
+    measured = cached / full
+    cost = (f"a reused step took {_ms(cached)} against {_ms(full)} for a computed one "
+            f"({measured:.0%}), where the ideal counts {share:.0%} (its probe and tail blocks, "
+            "the head as one block)")
+    if above and measured < share:
+        return [f"{head}: {cost}: the embeddings and head cost less than a block here, so the "
+                "ideal understates what a reuse saves"]
+    if not above and measured > share:
+        return [f"{head}: {cost}: the probe, signal reads and per-step dispatch that every step "
+                "runs cost more than the blocks the ideal counts (small models, host-bound "
+                "loops)"]
+    return [f"{head}: {cost}; {spread}, so the host's speed changed during the loop (timing "
+            "noise)"]
 
 
 def profile_warnings(config: CMConfig, summary: dict, trace) -> list[str]:
@@ -930,8 +1061,8 @@ def profile_warnings(config: CMConfig, summary: dict, trace) -> list[str]:
     return ["; ".join(parts)]
 
 
-def mean(xs):
-    return sum(xs) / len(xs) if xs else None
+def median(xs):
+    return statistics.median(xs) if xs else None
 
 
 def _ms(seconds):
@@ -949,7 +1080,7 @@ def _write(r, latents, report, args):
                   num_inference_steps=r["steps"], guidance_scale=report["guidance"], seed=r["seed"],
                   sample_solver=r["solver"], sample_shift=r["shift"],
                   stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
-                  synthetic_inputs=args.input_dir is None, sp_size=args.sp_size,
+                  synthetic_inputs=r["synthetic"], sp_size=args.sp_size,
                   **clips, cfg_parallel=args.cfg_parallel, **_cache_metadata(r["config"]))
     meta = {k: config[k] for k in ("height", "width", "video_length", "num_inference_steps",
                                    "guidance_scale", "seed", "model", *clips) if k in config}
@@ -991,6 +1122,9 @@ def format_summary(report: dict) -> str:
         + (f" x {report['num_clips']} clips" if report.get("num_clips") else "")
         + f"  {report['device']}, "
         f"attention {report['attention']}",
+        *([f"inputs: prompt {report['prompt']!r} (encoded here)"] if report.get("prompt") else
+          ["inputs: synthetic stage-1 tensors drawn from the seed (no prompt)"]
+          if report.get("synthetic_inputs") else []),
         f"cache: {', '.join(report['cache']['modes']) or 'off'}"
         + (f"  preset {report['cache']['preset']}" if report["cache"]["preset"] else "")
         + f"  (probe {report['cache']['probe_blocks']} blocks, tail {report['cache']['tail_blocks']}"

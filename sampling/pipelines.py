@@ -357,10 +357,12 @@ PIPELINES: dict[str, Pipeline] = {
     "wan-tiny-s2v": Pipeline("wan-tiny-s2v", "wan", ((None, "wan-tiny-s2v"),), "s2v", "unipc",
                              3.0, 4.5, 40, (64, 64, 16), (4, 8), clips=3, builtin=RANDOM, fps=16.0),
 }
-DEFAULT_PIPELINE = "hunyuanvideo-tiny"  # stage 2 on synthetic stage-1 inputs (no encoder)
-# from a prompt (stage 1, the prompt-to-video command): the model trained here, whose video
-# shows the prompt
-DEFAULT_PROMPT_PIPELINE = "wan-tiny-trained"
+# Every command's model without --model (or a stage-1 config naming one): the model trained
+# here, whose video shows the prompt; the random-weight ones are one --model away.
+DEFAULT_PIPELINE = "wan-tiny-trained"
+# the prompt stage 2 encodes in-process without --input_dir or --prompt: words the trained
+# models' word table knows (encoders/word_table.py)
+DEFAULT_PROMPT = "red circle moves right on blue"
 
 
 def get_pipeline(name: str) -> Pipeline:

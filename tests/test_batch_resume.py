@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from commands import generate
+from commands import generate, stage1, stage2
 from commands.generate import DECODE, DONE, ENCODE, SAMPLE, folder_state
 from sampling.one_writer import LOCK, one_writer
 from sampling.stage_io import CONFIG, VIDEO, read_config
@@ -172,7 +172,13 @@ def test_a_second_writer_into_a_folder_is_refused_and_a_killed_ones_hold_taken_o
                       capsys, f"--output_dir {out} is being written by another run",
                       f"pid {holder.pid}", "wait for that run to end")
         assert "Traceback" not in err
-        assert os.listdir(out) == [LOCK]  # nothing of the refused run
+        # the stage commands alike
+        refused(stage1.main, ["--prompt", PROMPTS[0], "--output_dir", str(out)], capsys,
+                f"--output_dir {out} is being written by another run", f"pid {holder.pid}")
+        refused(stage2.main, ["--output_dir", str(out), "--num_inference_steps", "2",
+                              "--no_progress"], capsys,
+                f"--output_dir {out} is being written by another run", f"pid {holder.pid}")
+        assert os.listdir(out) == [LOCK]  # nothing of the refused runs
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

@@ -10,7 +10,8 @@ import torch
 
 from cache import ConfigError
 from cache.flags import config_from_args
-from sampling.pipelines import get_pipeline
+from commands import stage1, stage2
+from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, get_pipeline
 from sampling.stage_io import EMBEDDINGS, read_stage2, write_stage
 from stage2_transformer_flax_deepcache import build_parser
 
@@ -23,26 +24,72 @@ def cli(*args, cwd=ROOT):
 
 
 def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path):
-    """The docs' stage-2 command (docs/stages.md) on the built-in tiny HunyuanVideo-1.5, in a fresh folder."""
+    """The docs' stage-2 command (docs/stages.md) in a fresh folder: the model trained here, on
+    its default prompt encoded in-process."""
     out = cli("--enable_cache", "--compare", "--telemetry_json", "t.json",
               "--compile_cache_dir", str(tmp_path / "jax-cache"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "computed  25  reused  25" in out.stdout and "loop 0" in out.stdout
+    assert f"inputs: prompt {DEFAULT_PROMPT!r} (encoded here)" in out.stdout
     report = json.loads((tmp_path / "t.json").read_text())
-    assert report["model"] == "hunyuanvideo-tiny" and report["compiles"]["loop"]["lowered"] == 0
+    assert report["model"] == DEFAULT_PIPELINE and report["compiles"]["loop"]["lowered"] == 0
+    assert report["prompt"] == DEFAULT_PROMPT and not report["synthetic_inputs"]
     assert report["branches"] == {b: {"computed": 25, "reused": 25} for b in ("cond", "uncond")}
     assert report["compare"]["rel_l2"] > 0 and report["compare"]["psnr_db"] > 20
     assert len(report["trace"]) == 100
     latents, meta, config = read_stage2(str(tmp_path / "stage_outputs"))
     assert list(latents.shape) == report["latent_shape"] and latents.dtype == torch.float32
     assert meta["deepcache_enabled"] == "true" and meta["cache_start_step"] == "11"
-    assert config["num_inference_steps"] == 50 and config["synthetic_inputs"] is True
+    assert config["num_inference_steps"] == 50 and config["synthetic_inputs"] is False
+    assert config["prompt"] == DEFAULT_PROMPT  # stage 3 and a rerun read it as stage 1's
     # a second process finds every stage program in the persistent compilation cache
     out = cli("--enable_cache", "--num_inference_steps", "4", "--telemetry_json", "t2.json",
               "--compile_cache_dir", str(tmp_path / "jax-cache"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     compiles = json.loads((tmp_path / "t2.json").read_text())["compiles"]
     assert compiles["warmup"]["cache_hits"] >= 3 and compiles["loop"]["lowered"] == 0
+
+
+def _latents(argv, given=None):
+    args = stage2.build_parser().parse_args([*argv, "--num_inference_steps", "6", "--no_progress",
+                                             "--compile_cache_dir", "none"])
+    r = stage2.resolve(args, given)
+    stage2.check_prompt_used(args, r)
+    backend, loaded = stage2.open_backend(args, r)
+    return stage2.sample_and_write(args, r, backend, True, loaded), r
+
+
+def test_without_inputs_stage2_samples_its_prompt_as_stage1_would_encode_it(tmp_path):
+    """No --input_dir: the default model's prompt is encoded in-process, exactly as stage 1
+    writes it (the same latents as from the stage-1 tensors), and another prompt changes them;
+    a random-weight model is one --model away, on synthetic inputs."""
+    report, r = _latents(["--output_dir", str(tmp_path / "a")])
+    assert report["model"] == DEFAULT_PIPELINE and report["prompt"] == DEFAULT_PROMPT
+    s1 = stage1.build_parser().parse_args(["--prompt", DEFAULT_PROMPT])
+    tensors, _, config = stage1.encode(stage1.pipeline_of(s1), stage1.request_of(s1, DEFAULT_PROMPT),
+                                       None, "cpu")
+    staged, _ = _latents(["--output_dir", str(tmp_path / "b")], (tensors, config))
+    a, b = (read_stage2(str(tmp_path / d))[0] for d in "ab")
+    assert torch.equal(a, b) and not staged["synthetic_inputs"]
+    _latents(["--prompt", "blue square moves left on red", "--output_dir", str(tmp_path / "c")])
+    assert not torch.equal(a, read_stage2(str(tmp_path / "c"))[0])
+    report, _ = _latents(["--model", "hunyuanvideo-tiny", "--output_dir", str(tmp_path / "d")])
+    assert report["prompt"] is None and report["synthetic_inputs"]
+    assert read_stage2(str(tmp_path / "d"))[2]["synthetic_inputs"] is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "hunyuanvideo-tiny", "--prompt", "a cat"],
+     "--prompt: stage 2 holds no text encoder for hunyuanvideo-tiny"),
+    (["--prompt", "purple dog"], "--prompt: 'purple dog' has unknown words dog, purple"),
+    (["--prompt", "red circle", "--input_dir", "."], "--prompt and --input_dir are alternatives"),
+    (["--height", "32"], "--height: 32; expected 16: wan-tiny-trained was trained on 4 frames"),
+])
+def test_a_prompt_stage2_cannot_encode_is_refused_before_any_work(tmp_path, argv, message):
+    out = cli(*argv, "--output_dir", str(tmp_path / "out"), "--compile_cache_dir", "none",
+              cwd=tmp_path)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_input_dir_pipeline_adds_stage2_fields_and_keeps_stage1(tmp_path):

@@ -94,7 +94,8 @@ def _run_on_a_terminal(args, cwd):
     return stdout, seen.decode(errors="replace")
 
 
-TINY = ["--backend", "torch", "--num_inference_steps", "6", "--enable_cache"]
+TINY = ["--model", "hunyuanvideo-tiny", "--backend", "torch", "--num_inference_steps", "6",
+        "--enable_cache"]
 
 
 def test_progress_on_a_terminal_only_never_with_quiet_and_the_summary_json(tmp_path):

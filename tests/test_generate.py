@@ -13,13 +13,13 @@ import generate
 import stage1_encode
 from bench.fixtures.analyser import analyse
 from commands import generate as generate_cmd
-from sampling.pipelines import DEFAULT_PROMPT_PIPELINE, get_pipeline
+from sampling.pipelines import DEFAULT_PIPELINE, get_pipeline
 from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, read_stage1
 from tests.test_refusals import listing, refused
 from tests.test_stage3 import read_video, run_script
 
 README_PROMPT = "red circle moves right on blue"
-PIPE = get_pipeline(DEFAULT_PROMPT_PIPELINE)
+PIPE = get_pipeline(DEFAULT_PIPELINE)
 # the fixtures' name of its latent mapping (bench/fixtures/videos.py)
 PIPE_MAPPING = {"pixel-anchored": "anchored", "pixel-deltas": "deltas"}.get(PIPE.latent, "pixels")
 
@@ -49,7 +49,7 @@ def test_the_readme_prompt_becomes_a_video_that_shows_it(readme_run):
     seen = analyse(shown(video))
     assert (seen["foreground"], seen["background"], seen["direction"]) == ("red", "blue", "right"), seen
     config = json.loads((work / "outputs" / CONFIG).read_text())
-    assert config["model"] == DEFAULT_PROMPT_PIPELINE and config["prompt"] == README_PROMPT
+    assert config["model"] == DEFAULT_PIPELINE and config["prompt"] == README_PROMPT
     assert config["cache_enabled"] and config["cache_modes"]  # --enable_cache reached stage 2
     assert config["vae_backend"] == "jax"  # stage 3's default backend, as stage 2's
     assert sorted(os.listdir(work / "outputs")) == sorted([CONFIG, EMBEDDINGS, LATENTS, VIDEO])

@@ -130,8 +130,8 @@ def test_a_size_whose_attention_does_not_fit_the_host_is_refused_before_compilin
         tmp_path, monkeypatch, capsys):
     """JAX on the CPU holds every attention score: 2 heads x 937,500^2 tokens is terabytes."""
     monkeypatch.chdir(tmp_path)
-    refused(stage2_script.main, ["--height", "999984", "--num_inference_steps", "2",
-                                 "--compile_cache_dir", "none"], capsys,
+    refused(stage2_script.main, ["--model", "hunyuanvideo-tiny", "--height", "999984",
+                                 "--num_inference_steps", "2", "--compile_cache_dir", "none"], capsys,
             "--height 999984", "on the host CPU", "expected a smaller size")
     assert os.listdir(tmp_path) == []
 

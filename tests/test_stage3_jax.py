@@ -112,8 +112,8 @@ def _run(*args, cwd):
 
 
 def test_stage2_then_stage3_on_jax_writes_the_mp4(tmp_path):
-    out = _run(ROOT / "stage2_transformer_flax_deepcache.py", "--output_dir", tmp_path / "D",
-               cwd=tmp_path)
+    out = _run(ROOT / "stage2_transformer_flax_deepcache.py", "--model", "hunyuanvideo-tiny",
+               "--output_dir", tmp_path / "D", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     out = _run(ROOT / "stage3_vae_decode.py", "--input_dir", tmp_path / "D", "--backend", "jax",
                cwd=tmp_path)
