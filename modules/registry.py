@@ -1,4 +1,5 @@
-"""Model families and named configs: one table from a name or config to a module class."""
+"""Model families and named configs: one table from a name or config to a module class and to
+the family's checkpoint format (config.json vocabularies, diffusers key mapping)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modules import hunyuan_video15, wan, wan_s2v
+from modules import (
+    hunyuan_video15,
+    hunyuan_video15_format,
+    wan,
+    wan_format,
+    wan_s2v,
+    wan_s2v_format,
+)
 from modules.layers import ModelConfigError
+from modules.layouts import CheckpointFormat
 
 
 @dataclass(frozen=True)
@@ -20,16 +29,18 @@ class Family:
     model_cls: type
     configs: dict
     keep_fp32: tuple[str, ...]
+    format: CheckpointFormat
 
 
 FAMILIES = {
-    "wan": Family("wan", "Wan2.2 DiT", wan.WanConfig, wan.WanDiT, wan.CONFIGS, wan.KEEP_FP32),
+    "wan": Family("wan", "Wan2.2 DiT", wan.WanConfig, wan.WanDiT, wan.CONFIGS, wan.KEEP_FP32,
+                  wan_format.FORMAT),
     "wan_s2v": Family("wan_s2v", "Wan2.2 S2V DiT", wan_s2v.WanS2VConfig, wan_s2v.WanS2VDiT,
-                      wan_s2v.CONFIGS, wan_s2v.KEEP_FP32),
+                      wan_s2v.CONFIGS, wan_s2v.KEEP_FP32, wan_s2v_format.FORMAT),
     "hunyuan_video15": Family("hunyuan_video15", "HunyuanVideo-1.5 DiT",
                               hunyuan_video15.HunyuanVideo15Config,
                               hunyuan_video15.HunyuanVideo15DiT, hunyuan_video15.CONFIGS,
-                              hunyuan_video15.KEEP_FP32),
+                              hunyuan_video15.KEEP_FP32, hunyuan_video15_format.FORMAT),
 }
 MODEL_NAMES = tuple(n for fam in FAMILIES.values() for n in fam.configs)
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from modules.checkpoint import CheckpointError, all_finite, nonfinite_message, read_header
+from modules.checkpoint import CheckpointError, all_finite, nonfinite_message
+from modules.safetensors_reader import read_header
 
 
 class VaeError(ValueError):

@@ -1,7 +1,7 @@
 """The Wan2.2 DiT shared by TI2V-5B and each I2V-A14B expert, static-shape and staged.
 
 Parameter names are the official checkpoint keys (`wan/modules/model.py::WanModel`), so an
-official state dict loads as is; `modules/checkpoint.py` converts the diffusers layout.
+official state dict loads as is; `modules/wan_format.py` converts the diffusers layout.
 Staged API: `prepare` -> `block(i)` x num_layers -> `final` (head and unpatchify; `head` is
 the official name of the head's parameters); `forward` is exactly that.
 

@@ -12,7 +12,7 @@ The Wan2.2 DiT (`modules/wan.py`) with, per the official `wan/modules/s2v/` code
     (adain_mode "attn_norm").
 Parameter names are the official checkpoint keys (`WanModel_S2V` state dict), typos included
 (`casual_audio_encoder`). Only the released configuration is built (framepack, padding drop mode,
-AdaIN in attention-norm mode, zero timestep); `modules/checkpoint.py` refuses other switches.
+AdaIN in attention-norm mode, zero timestep); `modules/wan_s2v_format.py` refuses other switches.
 
 The first clip of the official pipeline drops the motion tokens (drop_first_motion); here they
 stay in the sequence and a key mask hides them, which gives every other token the same values

@@ -8,10 +8,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from modules import checkpoint  # noqa: E402
+from modules import safetensors_reader  # noqa: E402
 
 reads = []
-_read_at = checkpoint._read_at
+_read_at = safetensors_reader.read_at
 
 
 def _recorded(fd, offset, nbytes, file):
@@ -20,7 +20,7 @@ def _recorded(fd, offset, nbytes, file):
 
 
 if __name__ == "__main__":
-    checkpoint._read_at = _recorded  # the reader's one way to the file's bytes
+    safetensors_reader.read_at = _recorded  # the reader's one way to the file's bytes
     from commands.stage2 import main
     code = main(sys.argv[2:])
     with open(sys.argv[1], "w") as fh:

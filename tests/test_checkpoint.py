@@ -71,6 +71,20 @@ def test_diffusers_layout_fits_diffusers_classes(tmp_path):
         ref.load_state_dict(load_file(out / WEIGHTS_NAME), strict=True)
 
 
+def test_diffusers_config_json_holds_the_diffusers_constructor_arguments():
+    """One mapping per family: the diffusers config.json we write is `_class_name` plus the
+    arguments the diffusers oracles are built with (tuples written as lists)."""
+    from modules.convert import hunyuan_diffusers_config, wan_diffusers_config
+    from modules.registry import get_config
+    for name, arguments in (("wan2.2-ti2v-5b", wan_diffusers_config),
+                            ("wan2.2-i2v-a14b-low", wan_diffusers_config),
+                            ("hunyuanvideo-1.5-480p_i2v_step_distilled", hunyuan_diffusers_config)):
+        config = config_to_json(get_config(name), DIFFUSERS)
+        del config["_class_name"], config["static_dit"]
+        assert config == {k: list(v) if isinstance(v, tuple) else v
+                          for k, v in arguments(get_config(name)).items()}
+
+
 def test_released_config_json_without_our_fields(tmp_path):
     """A config.json as the official repos ship it (no static_dit) gives the named config."""
     from modules.checkpoint import config_from_json
@@ -141,8 +155,8 @@ def test_headers_only_load_gives_the_loaded_shapes_and_dtypes(tmp_path, monkeypa
     out = save_checkpoint(random_model("wan-tiny-ti2v"), tmp_path / "m", layout=layout,
                           dtype=torch.bfloat16)
     loaded, _ = load_model(out, dtype=torch.bfloat16)
-    import modules.checkpoint as ckpt
-    monkeypatch.setattr(ckpt, "safe_open", None)  # no tensor data may be read
+    import modules.safetensors_reader as reader
+    monkeypatch.setattr(reader, "safe_open", None)  # no tensor data may be read
     meta, info = load_model(out, dtype=torch.bfloat16, meta=True)
     assert all(p.is_meta for p in meta.parameters())
     want = {k: (v.shape, v.dtype) for k, v in loaded.state_dict().items()}

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 import stage2_transformer_flax_deepcache as stage2
 import stage3_vae_decode as stage3
 from commands import calibrate
-from modules import checkpoint
+from modules import checkpoint, safetensors_reader
 from modules.checkpoint import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -238,7 +238,7 @@ def test_a_tampered_header_is_refused_naming_the_file_and_what_was_expected(
 
 
 def test_a_header_over_the_format_limit_is_refused_before_it_is_read(saved, monkeypatch):
-    monkeypatch.setattr(checkpoint, "MAX_HEADER_BYTES", 1000)  # 100 MB in the format
+    monkeypatch.setattr(safetensors_reader, "MAX_HEADER_BYTES", 1000)  # 100 MB in the format
     with pytest.raises(CheckpointError, match=r"header length \d+ bytes; the format allows at "
                                               r"most 1000"):
         read_header(saved / WEIGHTS_NAME)

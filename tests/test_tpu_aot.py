@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tpu.hlo
 from cache import CMConfig, DeepCacheConfig, TeaCacheConfig
 from modules.checkpoint import cast_model
 from modules.registry import build_model
@@ -20,14 +21,15 @@ from sampling.run import make_sample, warm_up
 from sampling.schedulers import make_scheduler
 from sampling.stages import SignalPlan
 from sharding.jax_sp import make_mesh
-from tpu import aot
+from tpu import aot_backend
+from tpu.topology import AotError, topology_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def slice_v6e():
-    return aot.topology_devices("v6e:2x2")
+    return topology_devices("v6e:2x2")
 
 
 def _compile(devices, name, config, sp=1, weights=None):
@@ -35,7 +37,7 @@ def _compile(devices, name, config, sp=1, weights=None):
     models = {e: cast_model(build_model(c, meta=True), torch.bfloat16) for e, c in pipe.experts}
     plan = SignalPlan.from_config(config)
     mesh = make_mesh(sp, 1, devices) if sp > 1 else None
-    backend = aot.AotBackend(models, plan, devices=devices, mesh=mesh, weights=weights)
+    backend = aot_backend.AotBackend(models, plan, devices=devices, mesh=mesh, weights=weights)
     shape = pipe.latent_shape(*pipe.size)
     image = pipe.task == "i2v"
     sample = make_sample(backend, pipe, pipe.synthesize(shape, True, image, 0), shape,
@@ -87,12 +89,12 @@ def test_fsdp_splits_block_weights_over_the_slice_and_gathers_them_per_block(sli
     _, devices = slice_v6e
     config = CMConfig(deepcache=DeepCacheConfig())
     whole, models = _compile(devices, "hunyuanvideo-tiny", config, sp=4, weights="replicated")
-    texts, record = {}, aot.AotBackend._record
+    texts, record = {}, aot_backend.AotBackend._record
 
     def keep(self, name, compiled, *rest):
         texts.setdefault(name, compiled.as_text())
         return record(self, name, compiled, *rest)
-    monkeypatch.setattr(aot.AotBackend, "_record", keep)
+    monkeypatch.setattr(aot_backend.AotBackend, "_record", keep)
     split, _ = _compile(devices, "hunyuanvideo-tiny", config, sp=4)  # the default on a mesh
     assert split.weight_sharding == "fsdp" and whole.weight_sharding == "replicated"
     model = models[None]
@@ -118,13 +120,13 @@ def test_fsdp_splits_block_weights_over_the_slice_and_gathers_them_per_block(sli
     assert s["bytes"] - w["bytes"] == middle * sum(p.numel() * p.element_size() for p in per_block)
     # where: all inside the loop body, run once per block, each of one block's slice [1, ...]
     hlo = texts["middle"]
-    (_, whiles), = aot.loops(hlo).items()
+    (_, whiles), = tpu.hlo.loops(hlo).items()
     (body, trips), = whiles
     assert trips == middle
-    gathers = [(c, line) for c, line in aot._lines(hlo) if " all-gather(" in line
+    gathers = [(c, line) for c, line in tpu.hlo._lines(hlo) if " all-gather(" in line
                or " all-gather-start(" in line]
     assert gathers and {c for c, _ in gathers} == {body}
-    shapes = {aot._ARRAY.search(line.split("=", 1)[1]).group(2) for _, line in gathers}
+    shapes = {tpu.hlo.ARRAY_SHAPE.search(line.split("=", 1)[1]).group(2) for _, line in gathers}
     assert all(d.split(",")[0] == "1" for d in shapes), shapes  # never a whole stack of 3
 
 
@@ -136,7 +138,7 @@ def test_collective_accounting_reads_every_replica_group_form():
         "%ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(%y), replica_groups={{0,1},{2,3}}",
         "%ard = f32[8]{0} all-reduce-done(%ars)",
     ])
-    c = aot.collectives(hlo)
+    c = tpu.hlo.collectives(hlo)
     assert c["all-gather"] == {"count": 1, "bytes": 2 * 2**20, "received": 2 * 2**20 * 7 / 8}
     assert c["all-to-all"]["received"] == 16 * 64 * 4 * 3 / 4
     assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["bytes"] == 32  # -done not counted
@@ -146,14 +148,14 @@ def test_run_plan_counts_what_the_run_holds(slice_v6e):
     chip, devices = slice_v6e
     config = CMConfig(teacache=TeaCacheConfig())
     backend, _ = _compile(devices, "wan-tiny-i2v", config)
-    plan = aot.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
+    plan = aot_backend.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
                         computed_fraction=0.5, swap_experts=False)
     m = plan.memory
     assert m["weights"] == sum(backend.expert_bytes.values()) and m["experts_resident"] == 2
     assert m["slots"] == 2 and m["residual_slots"] == 2 * m["residual_bytes"] > 0
     assert m["total"] == m["weights"] + m["residual_slots"] + m["probe_references"] + \
         m["inputs"] + m["in_flight"] and m["fits"]
-    swap = aot.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
+    swap = aot_backend.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
                         computed_fraction=0.5, swap_experts=True).memory
     assert swap["weights"] == max(backend.expert_bytes.values()) == swap["switch_bytes"]
     s = plan.seconds
@@ -192,8 +194,8 @@ def test_command_prints_the_plan_and_refuses_bad_topologies(tmp_path):
 
 def test_missing_libtpu_is_named_with_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu -> ImportError
-    with pytest.raises(aot.AotError, match=r'pip install "jax\[tpu\]'):
-        aot.topology_devices("v6e:2x2")
+    with pytest.raises(AotError, match=r'pip install "jax\[tpu\]'):
+        topology_devices("v6e:2x2")
 
 
 def test_fsdp_needs_a_mesh():
@@ -215,7 +217,7 @@ def test_splash_takes_the_block_sizes_of_the_generation_it_compiles_for(monkeypa
         kinds.append(kind or attention._device_kind)
         return real(kind)
     monkeypatch.setattr(attention, "block_sizes", spy)
-    _, devices = aot.topology_devices("v5e:2x4")
+    _, devices = topology_devices("v5e:2x4")
     backend, _ = _compile(devices, "wan-tiny-ti2v", CMConfig(deepcache=DeepCacheConfig()), sp=2)
     assert backend.program("middle").kernel_flops > 0
     assert kinds and set(kinds) == {"TPU v5 lite"}
@@ -230,12 +232,12 @@ def test_a_scanned_middle_costs_what_the_unrolled_one_does(slice_v6e):
     _, devices = slice_v6e
     config = CMConfig(deepcache=DeepCacheConfig())
     scanned, _ = _compile(devices, "hunyuanvideo-tiny", config, sp=4)
-    original = aot.AotBackend.__init__
+    original = aot_backend.AotBackend.__init__
     try:
-        aot.AotBackend.__init__ = lambda self, *a, **k: original(self, *a, scan_blocks=False, **k)
+        aot_backend.AotBackend.__init__ = lambda self, *a, **k: original(self, *a, scan_blocks=False, **k)
         unrolled, _ = _compile(devices, "hunyuanvideo-tiny", config, sp=4)
     finally:
-        aot.AotBackend.__init__ = original
+        aot_backend.AotBackend.__init__ = original
     assert [(r.start, r.stop) for r in scanned.runs] == [(0, 3)] and unrolled.runs == []
     s, u = scanned.program("middle"), unrolled.program("middle")
     assert s.flops == pytest.approx(u.flops, rel=0.01)
@@ -260,8 +262,8 @@ def test_loop_accounting_counts_a_body_per_iteration():
         "  %ag2 = f32[8]{0} all-gather(%y), replica_groups=[2,4]<=[8], dimensions={0}",
         "}",
     ])
-    assert aot.loops(hlo) == {"main": [("body", 5)]}
-    assert aot.collectives(hlo)["all-gather"]["count"] == 6
+    assert tpu.hlo.loops(hlo) == {"main": [("body", 5)]}
+    assert tpu.hlo.collectives(hlo)["all-gather"]["count"] == 6
 
 
 def test_loop_accounting_reads_past_a_kernel_whose_text_runs_over_lines():
@@ -284,5 +286,5 @@ def test_loop_accounting_reads_past_a_kernel_whose_text_runs_over_lines():
         "backend_config={\"known_trip_count\":{\"n\":\"7\"}}",
         "}",
     ])
-    assert aot.loops(hlo) == {"main": [("body", 7)]}
-    assert aot.collectives(hlo)["all-gather"]["count"] == 7
+    assert tpu.hlo.loops(hlo) == {"main": [("body", 7)]}
+    assert tpu.hlo.collectives(hlo)["all-gather"]["count"] == 7

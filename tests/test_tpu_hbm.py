@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from tpu import aot
 from tpu.hbm import hbm_traffic, instruction, leaves
+from tpu.topology import topology_devices
 
 KB = 4096  # bytes of f32[1024]
 
@@ -75,7 +75,7 @@ def test_parses_tuple_results_and_operands():
 
 @pytest.fixture(scope="module")
 def v6e_chip():
-    return aot.topology_devices("v6e:2x2")[1][0]
+    return topology_devices("v6e:2x2")[1][0]
 
 
 def test_a_tpu_program_reads_its_input_and_writes_its_output_once(v6e_chip):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from sampling.pipelines import get_pipeline
-from tpu import aot, vae_aot
+from tpu import vae_aot
 from tpu.hbm import hbm_traffic
+from tpu.topology import topology_devices
 from tpu.vae import JaxVaeDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +28,9 @@ def _cli(*args):
 
 def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     """The tiny TI2V VAE (8 x 12 latent rows x columns) on v6e:2x2: rows split over the 4 chips,
-    each chip's band cut into strips, one first program and a steady one per further latent frame, halos exchanged between
-    neighbours, and a plan that holds at least the weights and the steady program's own
-    temporaries."""
+    each chip's band cut into strips, one first program and a steady one per further latent
+    frame, halos exchanged between neighbours, and a plan that holds at least the weights and
+    the steady program's own temporaries."""
     out = _cli("--model", "wan-tiny-ti2v", "--topology", "v6e:2x2", "--tiny",
                "--json", str(tmp_path / "r.json"), "--hlo_dir", str(tmp_path / "hlo"))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -77,7 +78,7 @@ def test_command_refuses_bad_input_before_any_compile(capsys):
 def test_an_abstract_decoder_holds_the_decoder_weights_alone_and_refuses_to_decode():
     pipe = get_pipeline("wan-tiny-ti2v")
     _, vae = vae_aot.meta_vae(pipe, torch.float32, tiny=True)
-    _, devices = aot.topology_devices("v6e:1x1")
+    _, devices = topology_devices("v6e:1x1")
     import numpy as np
     from jax.sharding import Mesh
     decoder = JaxVaeDecoder(vae, Mesh(np.array(devices), ("s",)), abstract=True)

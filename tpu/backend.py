@@ -58,7 +58,7 @@ def _tree_lincomb(weights, *trees):
 
 
 @jax.jit
-def _rel_l1(a, b):
+def rel_l1(a, b):
     """mean |a - b| / mean |b| over every leaf: the control guard's delta."""
     num = sum(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).sum() for x, y in zip(a, b, strict=True))
     den = sum(jnp.abs(y.astype(jnp.float32)).sum() for y in b)
@@ -369,7 +369,7 @@ class JaxBackend:
         return np.asarray(signals).tolist()
 
     def relative_change(self, new, old) -> float:
-        return float(self._call("control_delta", _rel_l1, tuple(new), tuple(old)))
+        return float(self._call("control_delta", rel_l1, tuple(new), tuple(old)))
 
     def lincomb(self, terms):
         weights = np.asarray([w for w, _ in terms], np.float32)

@@ -25,10 +25,10 @@ import math
 import re
 import sys
 
-from .aot import _ARRAY, _BITS, computations, loops, multipliers
+from .hlo import ARRAY_SHAPE, computations, dtype_bits, loops, multipliers
 
 # an array's shape with its layout, which names a memory space other than HBM as S(n)
-_LEAF = re.compile(_ARRAY.pattern + r"(\{[^}]*\})?")
+_LEAF = re.compile(ARRAY_SHAPE.pattern + r"(\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
 _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all",
          "partition-id", "replica-id", "while", "conditional", "call", "copy-done", "slice-done",
@@ -37,17 +37,13 @@ _FREE = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "afte
 _SLICES = {"slice", "dynamic-slice"}
 
 
-def _bits(dtype: str) -> int:
-    return _BITS.get(dtype) or int(dtype[1:])
-
-
 def leaves(shape: str) -> list[tuple[int, int]]:
     """(bytes, memory space) of each array in a shape's text (a tuple's in order)."""
     out = []
     for m in _LEAF.finditer(shape):
         dims = [int(d) for d in m.group(2).split(",")] if m.group(2) else []
         space = _SPACE.search(m.group(3) or "")
-        out.append((math.prod(dims) * _bits(m.group(1)) // 8, int(space.group(1)) if space else 0))
+        out.append((math.prod(dims) * dtype_bits(m.group(1)) // 8, int(space.group(1)) if space else 0))
     return out
 
 

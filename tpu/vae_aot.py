@@ -7,7 +7,7 @@ decode traced by `tpu.vae.JaxVaeDecoder` exactly as stage 3 runs it (the first a
 per-latent-frame programs, rows split over the slice's devices) and compiled by libtpu for the
 named slice. Reported per chip: HBM (the compiler's memory analysis of each program, and a plan
 of the whole decode: weights, the carried causal caches, the program in flight and the previous
-video chunk on its way to the host), TFLOP, collectives, and a roofline time (`tpu.aot.Program`):
+video chunk on its way to the host), TFLOP, collectives, and a roofline time (`tpu.program.Program`):
 the first program once and the steady one for every further latent frame.
 """
 
@@ -22,12 +22,13 @@ import time
 import numpy as np
 import torch
 
-from modules.vae import VAES, _diffusers_class, spec_for
+from modules.vae import VAES, spec_for
 from sampling.cli import as_int
 from sampling.pipelines import PIPELINES, SizeError, get_pipeline
 from sampling.stage_io import check_writable_file
 
-from .aot import AotError, chip_bytes, parse_topology, record, topology_devices
+from .program import chip_bytes, record
+from .topology import AotError, parse_topology, topology_devices
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -39,8 +40,9 @@ def meta_vae(pipe, dtype, tiny: bool = False):
     if spec.name not in VAES:
         raise AotError(f"{pipe.name} samples in pixel space: there is no VAE to compile")
     config = spec.tiny_config(pipe.latent_channels) if tiny else spec.config
+    import diffusers  # seconds to import: only where a VAE is built, as modules.vae does
     with torch.device("meta"):
-        vae = _diffusers_class(spec)(**config).eval()
+        vae = getattr(diffusers, spec.class_name)(**config).eval()
     return spec, vae.to(dtype)
 
 

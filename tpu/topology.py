@@ -1,0 +1,111 @@
+"""The TPU chips and slice shapes a deviceless compile targets, and their compile-only devices.
+
+`parse_topology` is pure (a slice name -> chip and shape, checked against the shapes Cloud TPU
+offers), so a command can refuse a bad slice before libtpu is loaded; `topology_devices` loads
+libtpu and asks it for the slice's devices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+# Compiling for a TPU needs no TPU: several processes may load libtpu at once.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+GiB = 2**30
+
+
+class AotError(ValueError):
+    """A topology, mesh or install that cannot give a compile; reported before any build."""
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU generation, per chip. Peak rates and bandwidths: Cloud TPU documentation
+    (cloud.google.com/tpu/docs/v5e, v5p, v6e). hbm_bytes: the compiler's own limit, read from
+    its RESOURCE_EXHAUSTED message ("exceeds available HBM (31.25G)" on v6e)."""
+
+    name: str
+    device_kind: str
+    hbm_bytes: int
+    bf16_flops: float  # per second
+    hbm_bandwidth: float  # bytes per second
+    ici_bandwidth: float  # bytes per second, bidirectional, all ports
+    host_bounds: tuple[int, int, int]  # chips of one host
+
+
+CHIPS = {
+    "v5e": Chip("v5e", "TPU v5 lite", int(15.75 * GiB), 197e12, 819e9, 400e9, (2, 4, 1)),
+    "v5p": Chip("v5p", "TPU v5", int(95.74 * GiB), 459e12, 2765e9, 600e9, (2, 2, 1)),
+    "v6e": Chip("v6e", "TPU v6 lite", int(31.25 * GiB), 918e12, 1638e9, 800e9, (2, 4, 1)),
+}
+_TOPOLOGY = re.compile(r"^(v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
+
+# The slice shapes Cloud TPU offers (chips per axis, as `gcloud compute tpus tpu-vm create
+# --topology` and GKE's cloud.google.com/gke-tpu-topology take them). libtpu's own parser
+# (jax.experimental.topologies.get_topology_desc, libtpu 0.0.42) builds devices for any AxB[xC]
+# its host bounds divide, v6e:2x3, v6e:64x64 and v5p:2x2x3 included, so a plan for a slice that
+# cannot be rented would come out; the shape is checked here instead.
+# v5e and v6e: the 2D shapes of cloud.google.com/tpu/docs/v5e and /tpu/docs/v6e (256-chip pods).
+SLICES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+# v5p (cloud.google.com/tpu/docs/v5p): below one 4x4x4 cube 2x2x1, 2x2x2, 2x2x4, 2x4x4; above,
+# whole cubes (each axis a multiple of 4, listed ascending: 4x4x8, 8x16x16), up to the largest
+# slice one job can have, 16x16x24 (96 cubes, 6144 chips).
+V5P_SUBCUBE = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+V5P_MAX_CUBES = 96
+
+
+def _slice_exists(chip: Chip, dims: tuple[int, ...]) -> bool:
+    if chip.name != "v5p":
+        return dims in SLICES_2D
+    if dims in V5P_SUBCUBE:
+        return True
+    return all(d % 4 == 0 for d in dims) and list(dims) == sorted(dims) and \
+        math.prod(d // 4 for d in dims) <= V5P_MAX_CUBES
+
+
+def _slices(chip: Chip) -> str:
+    if chip.name != "v5p":
+        return ", ".join(f"{chip.name}:{a}x{b}" for a, b in SLICES_2D)
+    return (", ".join(f"v5p:{a}x{b}x{c}" for a, b, c in V5P_SUBCUBE) + ", or whole 4x4x4 cubes: "
+            f"AxBxC with A <= B <= C multiples of 4, at most {V5P_MAX_CUBES} cubes (v5p:16x16x24)")
+
+
+def parse_topology(name: str) -> tuple[Chip, tuple[int, int, int]]:
+    """"v6e:2x4" -> (chip, (2, 4, 1)); AotError for anything else."""
+    m = _TOPOLOGY.match(name or "")
+    if not m:
+        raise AotError(f"--topology {name!r}: expected <generation>:<X>x<Y>[x<Z>] with generation "
+                       f"one of {', '.join(CHIPS)}, e.g. v6e:2x4 (a v6e-8 slice), v5e:2x2, v5p:2x2x1")
+    chip = CHIPS[m.group(1)]
+    dims = tuple(int(d) for d in m.groups()[1:] if d is not None)
+    if chip.name == "v5p" and len(dims) != 3 or chip.name != "v5p" and len(dims) != 2:
+        raise AotError(f"--topology {name!r}: {chip.name} slices are "
+                       f"{'3' if chip.name == 'v5p' else '2'}-dimensional, e.g. "
+                       f"{'v5p:2x2x1' if chip.name == 'v5p' else chip.name + ':2x4'}")
+    if not _slice_exists(chip, dims):
+        raise AotError(f"--topology {name}: not a {chip.name} slice Cloud TPU offers; expected "
+                       f"{_slices(chip)}")
+    return chip, (*dims, 1)[:3]
+
+
+def topology_devices(name: str):
+    """(chip, compile-only devices of the slice). Needs libtpu; JAX itself may stay on the CPU."""
+    chip, dims = parse_topology(name)
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise AotError('compiling for a TPU needs libtpu: pip install "jax[tpu]==0.10.2" '
+                       "(about 700 MB; JAX keeps running on the CPU with JAX_PLATFORMS=cpu)") from None
+    from jax.experimental import topologies
+    # One host holds 8 chips on v5e/v6e, 4 on v5p; a smaller slice is one host of its own.
+    host = [min(d, h) for d, h in zip(dims, chip.host_bounds, strict=True)]
+    try:
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu",
+                                            chips_per_host_bounds=host)
+    except Exception as exc:  # noqa: BLE001 - libtpu's messages are the useful part
+        raise AotError(f"--topology {name}: libtpu refused it: {str(exc).splitlines()[0]}") from None
+    return chip, list(desc.devices)
