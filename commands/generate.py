@@ -395,7 +395,7 @@ class _Decoder:
         decode_args = copy.copy(self.stage3_args)
         decode_args.input_dir = job.folder
         r3 = stage3.resolve(decode_args)
-        device = stage3._device(None, None)
+        device = stage3.device_for(None, None)
         if self.built is None:
             self.built = stage3.build_vae(r3["pipe"], self.args.vae_path, r3["dtype"])
         also = None
@@ -407,9 +407,9 @@ class _Decoder:
                             _write_compare(tmp, c, u, fps), "--compare")
         try:
             if r3["backend"] == "jax":  # stage 3's default, as stage 2's
-                out = stage3._run_jax(decode_args, r3, self.built, also, self.decoders)
+                out = stage3.decode_jax(decode_args, r3, self.built, also, self.decoders)
             else:
-                out = stage3._run(decode_args, r3, 0, 1, device, self.built, also)
+                out = stage3.decode_torch(decode_args, r3, 0, 1, device, self.built, also)
         finally:
             if also is not None:
                 also.discard()

@@ -258,7 +258,7 @@ def build_vae(pipe, vae_path, dtype):
     return vae, f"{spec.name} ({vae_path})"
 
 
-def _device(name, local_rank):
+def device_for(name, local_rank):
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name in ("cuda", "npu") and local_rank is not None:
@@ -340,21 +340,21 @@ def run(args) -> dict:
     r = resolve(args)
     if r["backend"] == "jax":
         with one_writer(r["output_dir"]):
-            return _run_jax(args, r)
+            return decode_jax(args, r)
     parallel = r["grid"] is not None
-    device = _device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel else None)
+    device = device_for(args.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel else None)
     rank, world = _distributed(device) if parallel else (0, 1)
     try:
         # rank 0 writes the video: the other ranks of a patch-parallel decode hold nothing
         with one_writer(r["output_dir"]) if rank == 0 else contextlib.nullcontext():
-            return _run(args, r, rank, world, device)
+            return decode_torch(args, r, rank, world, device)
     finally:
         if world > 1:
             import torch.distributed as dist
             dist.destroy_process_group()
 
 
-def _run_jax(args, r, built=None, also=None, decoders=None):
+def decode_jax(args, r, built=None, also=None, decoders=None):
     """The decode on JAX (tpu/vae.py, imported here: the torch path never loads torchax);
     `built` and `also` as for `_run`; `decoders`: a dict in which the decoder (its weights on the
     devices, its compiled programs) is kept for the next decode of the job, by device count."""
@@ -397,7 +397,7 @@ def _run_jax(args, r, built=None, also=None, decoders=None):
     return report
 
 
-def _run(args, r, rank, world, device, built=None, also=None):
+def decode_torch(args, r, rank, world, device, built=None, also=None):
     """Decode and write one resolved run; `built`: a (vae, name) of `build_vae` already on
     `device`, shared by the runs of a job (the prompt-to-video command); `also`: a Staged of
     files to commit with the video."""

@@ -15,12 +15,10 @@ import time
 from typing import Callable
 
 from . import progress
+from .errors import UsageError  # noqa: F401 (the commands' name for it)
 from .interrupt import Interrupted, handled
+from .platforms import check_xla_flags
 from .stage_io import StageFileError, atomic_write, check_writable_file
-
-
-class UsageError(ValueError):
-    """A flag or input the run cannot use; reported before any model or device work."""
 
 
 def launch_rank() -> int:
@@ -60,7 +58,6 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
         with handled():
             try:
                 if getattr(args, "backend", "torch") != "torch":  # only JAX starts XLA
-                    from .platforms import check_xla_flags  # platforms imports this module
                     check_xla_flags()
                 report = run(args)
             except errors as exc:

@@ -13,7 +13,7 @@ import shlex
 import subprocess
 import sys
 
-from .cli import UsageError
+from .errors import UsageError
 
 # JAX's own view of an accelerator's presence (jax/_src/hardware_utils.py): Google's PCI vendor id
 # with a TPU device id, and the device nodes of the NVIDIA driver (WSL2 included).
