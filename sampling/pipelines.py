@@ -267,7 +267,12 @@ class Pipeline:
                 cond[:, cfg.in_channels, 0] = 1.0
                 kw.update(cond=cond, vision=tensors["image_embeds"].float())
             return kw, {"i2v": image}
-        kw = {"context": tensors[f"{p}prompt_embeds"].float()}
+        # Zero-padded to text_len, as the model pads it itself (official WanModel): the same
+        # numbers, and both CFG branches of one shape: one set of programs, and a batch-2 pair
+        # for fused or cfg-parallel CFG when the negative prompt is longer or shorter
+        context = tensors[f"{p}prompt_embeds"].float()
+        pad = self.config.text_len - context.shape[1]
+        kw = {"context": torch.nn.functional.pad(context, (0, 0, 0, pad)) if pad > 0 else context}
         if self.task == "s2v":  # one clip's tensors (clip_inputs); no speech for uncond (official)
             audio = tensors["audio"].float()
             kw.update(ref_latent=tensors["ref_latents"].float(),

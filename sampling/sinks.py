@@ -11,6 +11,8 @@ import math
 import threading
 from collections import defaultdict
 
+from .journal import atomic_write
+
 
 class SinkUnavailable(RuntimeError):
     """A sink was asked for whose optional package does not import; says how to install it."""
@@ -167,7 +169,6 @@ def plot_traces(traces: dict, path, thresholds: dict | None = None):
     fig.tight_layout()
     try:
         if isinstance(path, str):
-            from .stage_io import atomic_write
             atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"), mode="wb")
         else:  # an open binary file
             fig.savefig(path, dpi=110, format="png")

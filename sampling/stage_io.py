@@ -5,10 +5,11 @@
     <dir>/stage2_latents.safetensors      key `latents` [1, C, F, H, W], metadata as strings
                                           (speech-to-video: also what stage 3 decodes the
                                           clips with, `sampling.clips.decode_inputs`)
+    <dir>/output_video.mp4                the video stage 3 decodes
 
 Everything is checked before sampling starts (missing file or key, wrong shape or dtype, bad
 JSON, an output path that cannot be created or would overwrite an input). Every write goes
-through temporary files and a commit journal (see "writing" below): a failure (a full disk,
+through temporary files and a commit journal (`sampling.journal`): a failure (a full disk,
 SIGINT/SIGTERM, kill -9 at any instruction) leaves the previous outputs or the new ones, whole,
 and the next writer or reader of the folder finishes or cleans what was left. A pair is
 committed under an exclusive lock on the folder, so two runs writing the same folder at once
@@ -19,11 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Mapping
 
@@ -33,8 +31,34 @@ from safetensors.torch import load_file, save
 
 from cache.validate import FieldError, read_json
 
-from .interrupt import deferred
+from .journal import (
+    FILE_MODE,
+    JOURNAL,
+    PROBE,
+    TEMP_ROOM,
+    Commit,
+    Staged,
+    StageFileError,
+    atomic_write,
+    folder_lock,
+    probe,
+    remove_stale,
+    roll_forward,
+    staged,
+    sync,
+    temp_prefix,
+)
 from .pipelines import TensorSpec
+from .video_file import encode_mp4
+
+# the commands and tests import the journal's and the video file's names from here too
+__all__ = [
+    "CONFIG", "EMBEDDINGS", "JOURNAL", "LATENTS", "MAX_ABS", "PAIR_ID", "STAGE3_FIELDS", "VIDEO",
+    "Staged", "StageFileError", "atomic_write", "check_creatable", "check_distinct",
+    "check_tensors", "check_writable", "check_writable_file", "encode_mp4", "folder_lock",
+    "read_config", "read_stage1", "read_stage2", "read_stage2_tensors", "read_tensors", "recover",
+    "remove_stale", "staged", "write_stage", "write_stage2", "write_tensors", "write_video",
+]
 
 EMBEDDINGS = "stage1_embeddings.safetensors"
 LATENTS = "stage2_latents.safetensors"
@@ -50,10 +74,6 @@ PAIR_ID = "stage2_pair_id"  # in the latents' metadata and the config: one id pe
 # the largest magnitude a stage-1 tensor may hold: text encoders' hidden states reach ~1e3 (LLM
 # outlier features), far below the 1e19 whose square overflows fp32 in a norm
 MAX_ABS = 1e6
-
-
-class StageFileError(ValueError):
-    """A stage file is missing, unreadable or does not match what the pipeline expects."""
 
 
 def _dtype_from_name(name: str):
@@ -146,144 +166,11 @@ def read_stage1(directory: str, specs: Mapping[str, TensorSpec]):
     return tensors, config
 
 
-# --- writing: temporary files, a journal, renames ----------------------------------------------
-#
-# Every file a run writes goes to a temporary name beside its final one first. A temporary file
-# is flock'ed by its writer for as long as the writer lives, so any later process can tell a live
-# writer's file (lock held) from one a killed writer left (lock free: removed). A pair of stage
-# files is committed under the folder's exclusive lock by a journal: JOURNAL, renamed in once
-# both temporary files are complete, names the renames; they are done, then JOURNAL is removed.
-# Killed before the journal exists, the folder holds the old pair (and stale temporary files,
-# which the next writer or reader removes); killed after, the next writer or reader of the
-# folder finishes the renames (roll forward) and holds the new pair. Nothing is ever renamed
-# away, so there is nothing to restore.
-
-JOURNAL = ".stage_commit.json"
-_PREFIX_CHARS = 64  # of the final name in a temporary one: long names keep room under NAME_MAX
-_held: dict[str, int] = {}  # temporary path -> the open, flock'ed descriptor of this process
-
-
-_umask = os.umask(0)
-os.umask(_umask)
-_MODE = 0o666 & ~_umask
-
-
-def _prefix(name: str) -> str:
-    return f".{name[:_PREFIX_CHARS]}."
-
-
-def _temporary(directory: str, name: str, suffix: str = ".tmp") -> str:
-    fd, path = tempfile.mkstemp(prefix=_prefix(name), suffix=suffix, dir=directory)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    _held[path] = fd
-    os.fchmod(fd, _MODE)  # mkstemp makes 0600; outputs get the usual permissions
-    return path
-
-
-def _release(path: str) -> None:
-    """Remove a temporary file of ours if it is still there (not renamed in), and unlock it."""
-    with deferred():  # an interruption here would leave a temporary file behind
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.lexists(path):
-            os.remove(path)
-        _forget(path)
-
-
-def _forget(path: str) -> None:
-    """Unlock a temporary file of ours without removing it (it is renamed in, or a journal
-    names it)."""
-    fd = _held.pop(path, None)
-    if fd is not None:
-        os.close(fd)
-
-
-def _sync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_stale(directory: str, names: tuple[str, ...]) -> None:
-    """Remove the temporary files of `names` in `directory` that no live process holds."""
-    try:
-        entries = os.listdir(directory)
-    except OSError:
-        return
-    prefixes = tuple(_prefix(n) for n in names)
-    for entry in entries:
-        if not entry.startswith(prefixes):
-            continue
-        path = os.path.join(directory, entry)
-        if path in _held:
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live writer holds it
-        else:
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-        finally:
-            os.close(fd)
-
+# --- writing: a pair of stage files, committed by the journal (sampling.journal) ----------------
 
 # what an interrupted write of these can leave in a stage folder; ".previous" is the backup an
 # earlier version of this module renamed the old latents to
-_STAGE_NAMES = (LATENTS, EMBEDDINGS, CONFIG, VIDEO, JOURNAL, "previous",
-                "write-check")
-
-
-def _journal_path(directory: str, path: str) -> str:
-    """How the journal names a path: by its name inside the stage folder, else in full."""
-    folder, name = os.path.split(os.path.abspath(path))
-    return name if folder == os.path.abspath(directory) else os.path.abspath(path)
-
-
-def _roll_forward(directory: str) -> None:
-    """Finish the renames JOURNAL names (files, and folders whose files move into their parent),
-    then remove it. Every step can be repeated, so a kill in here is finished by the next call."""
-    journal = os.path.join(directory, JOURNAL)
-    try:
-        with open(journal) as f:
-            entries = json.load(f)
-        files = [(str(tmp), str(final)) for tmp, final in entries["renames"]]
-        folders = [(str(tmp), str(folder)) for tmp, folder in entries.get("folders", [])]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StageFileError(f"{journal}: an unreadable commit journal ({exc}); expected the one "
-                             "an interrupted stage write leaves; remove it to keep the files as "
-                             "they are") from None
-
-    def checked(tmp, final, name):
-        # only ever a temporary file of ours onto its final name, beside it
-        tmp, final = (os.path.join(directory, p) for p in (tmp, final))
-        beside = os.path.abspath(os.path.dirname(final if name is None else final + os.sep))
-        if os.path.abspath(os.path.dirname(tmp)) != beside \
-                or not os.path.basename(tmp).startswith(_prefix(name or os.path.basename(final))):
-            raise StageFileError(f"{journal} names the rename {tmp!r} -> {final!r}; expected "
-                                 "a temporary file of a stage write beside its final name")
-        return tmp, final
-
-    for tmp, final in (checked(t, f, None) for t, f in files):
-        if os.path.lexists(tmp):
-            os.replace(tmp, final)
-    for tmp, folder in (checked(t, f, "events") for t, f in folders):
-        if os.path.isdir(tmp):
-            for name in sorted(os.listdir(tmp)):
-                os.replace(os.path.join(tmp, name), os.path.join(folder, name))
-            os.rmdir(tmp)
-    _sync(directory)
-    os.remove(journal)
-    _sync(directory)
+_STAGE_NAMES = (LATENTS, EMBEDDINGS, CONFIG, VIDEO, JOURNAL, "previous", PROBE)
 
 
 def _restore_previous(directory: str) -> None:
@@ -292,7 +179,7 @@ def _restore_previous(directory: str) -> None:
     target = os.path.join(directory, LATENTS)
     if os.path.lexists(target):
         return
-    backups = sorted((e for e in os.listdir(directory) if e.startswith(_prefix("previous"))),
+    backups = sorted((e for e in os.listdir(directory) if e.startswith(temp_prefix("previous"))),
                      key=lambda e: os.path.getmtime(os.path.join(directory, e)))
     if backups:
         os.replace(os.path.join(directory, backups[-1]), target)
@@ -302,7 +189,7 @@ def recover(directory: str) -> None:
     """Under the folder's exclusive lock: finish a commit an interrupted run left, and remove
     its temporary files. A folder with nothing to recover is not written to."""
     if os.path.lexists(os.path.join(directory, JOURNAL)):
-        _roll_forward(directory)
+        roll_forward(directory)
     _restore_previous(directory)
     remove_stale(directory, _STAGE_NAMES)
 
@@ -351,158 +238,35 @@ def _write_with_config(directory: str, name: str, suffix: str, write_payload,
     OSError (a full disk) becomes a StageFileError saying which file could not be written."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise StageFileError(f"output directory {directory} exists and is not a directory")
-    also = also if also is not None else Staged()
-    temps = []
-    committing = False
+    pair = Commit(directory, also if also is not None else Staged())
     try:
         os.makedirs(directory, exist_ok=True)
         with _stage_folder(directory):
             for taken in (name, CONFIG):
                 if os.path.isdir(os.path.join(directory, taken)):
                     raise StageFileError(_taken_by_folder(directory, taken))
-            payload_tmp = _temporary(directory, name, suffix)
-            temps.append(payload_tmp)
+            payload_tmp = pair.temporary(name, suffix)
             write_payload(payload_tmp)
-            os.chmod(payload_tmp, _MODE)  # a writer that makes its own file (safetensors) makes it 0600
-            _sync(payload_tmp)
-            config_tmp = _temporary(directory, CONFIG)
-            temps.append(config_tmp)
+            os.chmod(payload_tmp, FILE_MODE)  # a writer that makes its own file (safetensors) makes it 0600
+            sync(payload_tmp)
+            config_tmp = pair.temporary(CONFIG)
             with open(config_tmp, "w") as f:
                 json.dump(dict(config), f, indent=2, default=str)
                 f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
-            journal_tmp = _temporary(directory, JOURNAL)
-            temps.append(journal_tmp)
-            entries = {
-                "renames": [[_journal_path(directory, t), _journal_path(directory, p)]
-                            for t, p in [(payload_tmp, os.path.join(directory, name)),
-                                         (config_tmp, os.path.join(directory, CONFIG)),
-                                         *also.files]],
-                "folders": [[_journal_path(directory, t), _journal_path(directory, p)]
-                            for t, p in also.folders]}
-            with open(journal_tmp, "w") as f:
-                json.dump(entries, f)
-                f.flush()
-                os.fsync(f.fileno())
-            with deferred():
-                os.replace(journal_tmp, os.path.join(directory, JOURNAL))
-                committing = True
-                _roll_forward(directory)
+            pair.commit()
         return {name: os.path.join(directory, name), CONFIG: os.path.join(directory, CONFIG)}
     except OSError as exc:
         what = (f"could not finish renaming {name} and {CONFIG} in {directory}: "
                 f"{exc.strerror or exc}; the next run or read of the folder finishes it"
-                if committing else
+                if pair.journaled else
                 f"could not write {name} and {CONFIG} in {directory}: {exc.strerror or exc}"
                 + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")
                 + "; nothing was written, and files of earlier runs are as they were")
         raise StageFileError(what) from None
     finally:
-        if committing:  # the journal names them: renamed in, or by the next recovery
-            for tmp in temps:
-                _forget(tmp)
-            also.forget()
-        else:
-            for tmp in temps:
-                _release(tmp)
-            also.discard()
-
-
-class Staged:
-    """Files written under temporary names beside their final paths by `add` (a folder's new
-    files: `add_folder`), renamed in by `commit` (each rename atomic), removed by `discard`: what
-    a run writes outside its stage folder (reports) is prepared before the stage files are
-    committed and renamed in after them."""
-
-    def __init__(self):
-        self.files: list[tuple[str, str]] = []  # (temporary, final)
-        self.folders: list[tuple[str, str]] = []  # (temporary folder, the folder it fills)
-
-    def add(self, path: str, write, mode: str = "w", flag: str | None = None) -> None:
-        """write(open file); an OSError becomes a StageFileError naming `flag` if given."""
-        try:
-            folder = os.path.dirname(os.path.abspath(path))
-            remove_stale(folder, (os.path.basename(path),))
-            tmp = _temporary(folder, os.path.basename(path))
-            self.files.append((tmp, path))
-            with open(tmp, mode) as f:
-                write(f)
-        except OSError as exc:
-            if flag is None:
-                raise
-            raise StageFileError(_not_written(flag, path, exc)) from None
-
-    def add_folder(self, folder: str, write, flag: str) -> None:
-        """write(a temporary folder inside `folder`); the files it makes move into `folder`."""
-        try:
-            os.makedirs(folder, exist_ok=True)
-            remove_stale(folder, ("events",))
-            tmp = tempfile.mkdtemp(prefix=_prefix("events"), suffix=".tmp", dir=folder)
-            fd = os.open(tmp, os.O_RDONLY)
-            _held[tmp] = fd
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self.folders.append((tmp, folder))
-            write(tmp)
-        except OSError as exc:
-            raise StageFileError(_not_written(flag, folder, exc)) from None
-
-    def commit(self) -> None:
-        with deferred():
-            for tmp, path in self.files:
-                os.replace(tmp, path)
-            for tmp, folder in self.folders:
-                for name in sorted(os.listdir(tmp)):
-                    os.replace(os.path.join(tmp, name), os.path.join(folder, name))
-        self.discard()
-
-    def discard(self) -> None:
-        for tmp, _ in self.files + self.folders:
-            _release(tmp)
-        self.files, self.folders = [], []
-
-    def forget(self) -> None:
-        """Another commit (a stage pair's journal) has taken these files over."""
-        for tmp, _ in self.files + self.folders:
-            _forget(tmp)
-        self.files, self.folders = [], []
-
-
-def _not_written(flag: str, path: str, exc: OSError) -> str:
-    return (f"{flag} {path} could not be written: {exc.strerror or exc}"
-            + (" (the disk is full)" if exc.errno == errno.ENOSPC else "")
-            + "; nothing was written, and files of earlier runs are as they were")
-
-
-@contextlib.contextmanager
-def staged():
-    """A Staged whose files are renamed in when the block ends normally, removed otherwise."""
-    files = Staged()
-    try:
-        yield files
-    except BaseException:
-        files.discard()
-        raise
-    files.commit()
-
-
-def atomic_write(path: str, write, mode: str = "w") -> None:
-    """write(file object) to a temporary file beside `path`, then renamed in: no partial file,
-    and no temporary one, outlives a failure, an interruption or a kill."""
-    with staged() as files:
-        files.add(path, write, mode)
-
-
-@contextlib.contextmanager
-def folder_lock(directory: str, *, exclusive: bool):
-    """flock on the folder itself (no lock file is left behind): writers of a pair exclude each
-    other and readers, so a pair is never seen or left half from one run."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+        pair.close()
 
 
 def _taken_by_folder(directory: str, name: str) -> str:
@@ -545,17 +309,7 @@ def read_stage2_tensors(directory: str):
     return tensors, metadata, config
 
 
-# --- stage 3: the video -------------------------------------------------------------------------
-
-
-def _probe(folder: str) -> None:
-    """Create and remove a file in `folder`: the one check that holds as root and on read-only
-    or pseudo file systems, where permission bits say nothing."""
-    _release(_temporary(folder, "write-check"))
-
-
-# room a path leaves for our temporary names beside or inside it (see _temporary)
-_TEMP_ROOM = _PREFIX_CHARS + 24
+# --- outputs, checked before any work ----------------------------------------------------------
 
 
 def check_creatable(flag: str, path: str, hint: str = "") -> None:
@@ -564,9 +318,9 @@ def check_creatable(flag: str, path: str, hint: str = "") -> None:
     be. Existence checks call all of these "missing"; creating it would fail after the run."""
     full = os.path.abspath(path)
     limit = os.pathconf("/", "PC_PATH_MAX") if hasattr(os, "pathconf") else 4096
-    if len(os.fsencode(full)) + _TEMP_ROOM >= limit:
+    if len(os.fsencode(full)) + TEMP_ROOM >= limit:
         raise StageFileError(f"{flag} {path[:60]}...: a path of {len(os.fsencode(full))} bytes; "
-                             f"expected under {limit - _TEMP_ROOM} (PATH_MAX {limit}){hint}")
+                             f"expected under {limit - TEMP_ROOM} (PATH_MAX {limit}){hint}")
     existing = full
     while True:
         try:
@@ -608,7 +362,7 @@ def check_writable(directory: str, flag: str = "--output_dir", names: tuple[str,
         raise StageFileError(f"{flag} {directory}: {existing} is a file; expected a folder to "
                              f"write into{hint}")
     try:
-        _probe(existing)
+        probe(existing)
     except OSError as exc:
         where = "" if existing == os.path.abspath(directory) else f" (in {existing})"
         raise StageFileError(f"{flag} {directory} is not writable{where}: {exc.strerror or exc}; "
@@ -649,11 +403,14 @@ def check_writable_file(flag: str, path: str | None) -> None:
     if not path or os.path.isdir(path) or not os.path.isdir(folder):
         raise StageFileError(f"{flag} {path!r}: expected a file in an existing, writable folder")
     try:
-        _probe(folder)
+        probe(folder)
     except OSError as exc:
         raise StageFileError(f"{flag} {path}: its folder {folder} is not writable "
                              f"({exc.strerror or exc}); expected a file in an existing, writable "
                              "folder") from None
+
+
+# --- stage 3: the video -------------------------------------------------------------------------
 
 
 def write_video(directory: str, frames, fps: float, config: Mapping,
@@ -665,18 +422,3 @@ def write_video(directory: str, frames, fps: float, config: Mapping,
     return _write_with_config(directory, VIDEO, ".mp4", lambda tmp: encode_mp4(tmp, frames, fps,
                                                                                 quality),
                               config, also)
-
-
-def encode_mp4(path: str, frames, fps: float, quality: int = 8) -> None:
-    """Frames [F, H, W, 3] uint8 as an H.264 mp4 at `path`; the name must end in .mp4 (imageio
-    picks its ffmpeg writer by the extension)."""
-    import imageio.v2 as imageio
-
-    # macro_block_size 1 keeps the size exact (the VAE strides make it even, as yuv420p needs)
-    writer = imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps, codec="libx264",
-                                quality=quality, macro_block_size=1)
-    try:
-        for frame in frames:
-            writer.append_data(frame)
-    finally:
-        writer.close()

@@ -90,26 +90,34 @@ def test_an_interruption_ends_in_one_line_and_leaves_the_previous_outputs(tmp_pa
 
 
 def test_two_runs_writing_one_folder_at_once_leave_one_runs_pair(tmp_path):
-    """Run A renames its latents in and pauses 2 s before its config; run B commits meanwhile.
-    Without a lock B's pair lands inside A's, and A's config then pairs with B's latents."""
+    """Run A holds its output folder and pauses 2 s between renaming its latents in and its
+    config. A second stage-2 run into the folder is refused up front, naming A; a writer that
+    goes around the commands (write_stage2 itself) waits on the folder's commit lock and lands
+    after A, as one pair. Without these B's pair landed inside A's, and A's config then paired
+    with B's latents."""
     out = tmp_path / "out"
-    procs = {}
-    for run, hold, seed in (("a", "half", "11"), ("b", "commit", "22")):
-        (tmp_path / run).mkdir()
-        procs[run] = start("stage2", hold, tmp_path / run, "--backend", "torch", "--num_inference_steps",
-                           "4", "--seed", seed, "--output_dir", str(out), "--no_progress")
+    (tmp_path / "a").mkdir()
+    a = start("stage2", "half", tmp_path / "a", "--model", "hunyuanvideo-tiny", "--backend",
+              "torch", "--num_inference_steps", "4", "--seed", "11", "--output_dir", str(out),
+              "--no_progress")
     try:
-        for proc in procs.values():
-            wait_for(proc, "ready")
+        wait_for(a, "ready")
+        b = subprocess.run([sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"),
+                            "--model", "hunyuanvideo-tiny", "--backend", "torch",
+                            "--num_inference_steps", "4", "--seed", "22", "--output_dir", str(out),
+                            "--no_progress"], capture_output=True, text=True, cwd=ROOT)
+        assert b.returncode == 2 and b.stderr.count("\n") == 1, b.stderr
+        assert f"--output_dir {out} is being written by another run (pid {a.pid}" in b.stderr
         (tmp_path / "a" / "go").touch()
-        wait_for(procs["a"], "half")
-        (tmp_path / "b" / "go").touch()
-        for proc in procs.values():
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err[-3000:]
+        wait_for(a, "half")
+        pipe = get_pipeline("hunyuanvideo-tiny")
+        h, w, f = pipe.size
+        write_stage2(str(out), torch.zeros(pipe.latent_shape(h, w, f)), {"seed": 33},
+                     {"model": pipe.name, "seed": 33})  # blocks until A's commit is whole
+        _, err = a.communicate(timeout=120)
+        assert a.returncode == 0, err[-3000:]
     finally:
-        for proc in procs.values():
-            proc.kill()
+        a.kill()
     _, metadata, config = read_stage2(str(out))
-    assert metadata["seed"] == str(config["seed"]) == "22"  # B committed after A, as one pair
+    assert metadata["seed"] == str(config["seed"]) == "33"  # after A's pair, as one pair
     assert sorted(os.listdir(out)) == ["generation_config.json", "stage2_latents.safetensors"]

@@ -21,7 +21,7 @@ import torch
 import stage2_transformer_flax_deepcache as stage2
 import stage3_vae_decode as stage3
 from commands import calibrate
-from sampling import stage_io
+from sampling import journal, stage_io
 from sampling.pipelines import get_pipeline
 from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, VIDEO, write_stage, write_stage2
 
@@ -286,7 +286,7 @@ def test_a_full_disk_while_writing_stage2_says_so_and_keeps_the_previous_files(
 
         def full_for_the_report(path, *args, **kwargs):  # temporaries are named after the file
             return (_enospc if "t.json" in str(path) else open)(path, *args, **kwargs)
-        monkeypatch.setattr(stage_io, "open", full_for_the_report, raising=False)
+        monkeypatch.setattr(journal, "open", full_for_the_report, raising=False)  # Staged.add
     capsys.readouterr()
     assert stage2.main([*argv, "--seed", "7"]) == 2
     out, err = capsys.readouterr()

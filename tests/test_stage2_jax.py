@@ -209,6 +209,31 @@ def test_fused_cfg_is_one_batch_2_call_with_the_same_result():
     assert out["fused-tc"][1].loop_compiles.lowered == 0
 
 
+def test_fused_cfg_takes_a_negative_prompt_of_another_length():
+    """Was: a traceback (torch.cat of [1, 16, D] and [1, 7, D]) for fused or cfg-parallel CFG
+    when stage 1's negative prompt is shorter than the prompt. The conditions are zero-padded to
+    text_len as the model pads them itself: the same numbers as the unpadded branch."""
+    pipe, models, shape, _, tensors, _ = setup("wan-tiny-ti2v")
+    tensors = {**tensors, "negative_prompt_embeds": tensors["negative_prompt_embeds"][:, :7]}
+    conds, _ = pipe.conditions(tensors, "uncond", False, shape)
+    assert conds["context"].shape[1] == pipe.config.text_len
+    assert torch.equal(conds["context"][:, :7], tensors["negative_prompt_embeds"].float())
+    model = models[pipe.experts[0][0]]
+    x, t = torch.randn(shape), torch.tensor([500.0])
+    with torch.no_grad():
+        assert torch.equal(model(x, t, context=conds["context"]),
+                           model(x, t, context=tensors["negative_prompt_embeds"].float()))
+    out = {}
+    for mode in ("separate", "fused"):
+        backend = JaxBackend(models, SignalPlan.from_config(CMConfig(cfg_mode=mode)))
+        sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0,
+                             fused_cfg=mode == "fused")
+        traj = sample_once(backend, CMConfig(cfg_mode=mode), sample, solver=pipe.solver, steps=4,
+                           shift=pipe.shift)
+        out[mode] = backend.get(traj.latents)
+    assert rel_err(out["fused"], out["separate"]) < 1e-5
+
+
 def test_dry_run_samples_exactly_uncached_and_records_prospective_skips():
     off, _, _ = run(JaxBackend, "hunyuanvideo-tiny", CMConfig(teacache=TeaCacheConfig(threshold=0.0)),
                     steps=12)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from sampling import stage_io
+from sampling import journal, stage_io
 from sampling.pipelines import get_pipeline
 from sampling.stage_io import (
     CONFIG,
@@ -156,9 +156,9 @@ def test_what_an_older_version_left_after_a_kill_is_restored(tmp_path):
 
 
 def test_a_live_writers_temporary_file_is_not_taken_for_a_stale_one(tmp_path):
-    held = stage_io._temporary(str(tmp_path), LATENTS)  # flock'ed by this process
+    held = journal.temporary(str(tmp_path), LATENTS)  # flock'ed by this process
     try:
-        stage_io.remove_stale(str(tmp_path), (LATENTS,))
+        journal.remove_stale(str(tmp_path), (LATENTS,))
         assert os.path.exists(held)
         other = os.open(held, os.O_RDONLY)  # as another process sees it: locked
         try:
@@ -168,5 +168,49 @@ def test_a_live_writers_temporary_file_is_not_taken_for_a_stale_one(tmp_path):
         finally:
             os.close(other)
     finally:
-        stage_io._release(held)
+        journal.release(held)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_journal_commits_any_files_of_a_folder_as_one(tmp_path):
+    """sampling.journal knows no stage file: two files of any names are renamed in together, or
+    (closed before the commit) neither is, and no temporary file outlives the close."""
+    (tmp_path / "a.txt").write_text("old a")
+    (tmp_path / "b.bin").write_bytes(b"old b")
+    for commit, a, b in ((False, "old a", b"old b"), (True, "new a", b"new b")):
+        with journal.folder_lock(str(tmp_path), exclusive=True):
+            files = journal.Commit(str(tmp_path), journal.Staged())
+            try:
+                with open(files.temporary("a.txt"), "w") as f:
+                    f.write("new a")
+                with open(files.temporary("b.bin"), "wb") as f:
+                    f.write(b"new b")
+                if commit:
+                    files.commit()
+            finally:
+                files.close()
+        assert files.journaled == commit
+        assert (tmp_path / "a.txt").read_text() == a and (tmp_path / "b.bin").read_bytes() == b
+        assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.bin"]
+
+
+def test_a_journal_left_by_a_kill_is_rolled_forward(tmp_path):
+    """Killed after the journal was renamed in: the next roll_forward finishes the renames."""
+    (tmp_path / "a.txt").write_text("old")
+    tmp = journal.temporary(str(tmp_path), "a.txt")
+    with open(tmp, "w") as f:
+        f.write("new")
+    journal.forget(tmp)  # as a killed writer leaves it: unlocked, named by the journal
+    (tmp_path / journal.JOURNAL).write_text(json.dumps({"renames": [[os.path.basename(tmp),
+                                                                      "a.txt"]]}))
+    journal.roll_forward(str(tmp_path))
+    assert (tmp_path / "a.txt").read_text() == "new" and os.listdir(tmp_path) == ["a.txt"]
+
+
+def test_stage_io_keeps_the_names_it_always_had():
+    """The commands and tests import the journal's and the video file's names from stage_io."""
+    from sampling import video_file
+    assert stage_io.Staged is journal.Staged and stage_io.atomic_write is journal.atomic_write
+    assert stage_io.StageFileError is journal.StageFileError
+    assert stage_io.encode_mp4 is video_file.encode_mp4
+    assert all(hasattr(stage_io, name) for name in stage_io.__all__)
