@@ -15,6 +15,7 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 from compat.torchax_compat import import_torchax
 from modules.vae import VAES, build_tiny
 from tpu import vae as tv
+from tpu import vae_wan
 
 torchax = import_torchax()
 env = torchax.default_env()
@@ -35,7 +36,7 @@ def test_a_rounded_conv_is_the_conv_of_rounded_operands_summed_in_float32(dims):
     exact = conv(_rounded(x).double(), _rounded(w).double(), b.double(), 1, pad).numpy()
 
     def run(x, w, b):
-        return tv._conv(x, w, b, (1,) * dims, pad, (1,) * dims, 1, torch.bfloat16)
+        return vae_wan.rounded_conv(x, w, b, (1,) * dims, pad, (1,) * dims, 1, torch.bfloat16)
 
     with env:
         got = np.asarray(torchax.interop.jax_view(run)(jnp.asarray(x.numpy()), jnp.asarray(
@@ -66,7 +67,7 @@ def test_the_wan_decoder_rounds_on_tpu_only_and_decodes_like_torch_with_rounded_
     assert tv.JaxVaeDecoder(vae).operands is None  # on this CPU: float32 as stored
 
     decoder = tv.JaxVaeDecoder(vae, conv_operands=torch.bfloat16)
-    convs = tv._conv_weights(vae)
+    convs = vae_wan.conv_weights(vae)
     assert "vae.post_quant_conv.weight" in convs and "vae.decoder.conv_out.weight" in convs
     dtypes = {name: str(p.dtype) for name, p in decoder.params.items()}
     assert {dtypes[n] for n in convs} == {"bfloat16"}

@@ -1,5 +1,5 @@
 """On a TPU the Wan decoders run each device's band of the frame as a batch of strips
-(tpu.vae._Strips): libtpu cuts a conv of a batch under 8 into 8 width batches and relays out its
+(tpu.vae_strips.Strips): libtpu cuts a conv of a batch under 8 into 8 width batches and relays out its
 input and output around it. Checked here on one CPU device: the grid each band takes, a decode on
 strips equal to the decode of the whole frame, and grids that do not divide refused by name.
 The strips over 8 emulated devices: tests/vae_jax_check.py."""
@@ -10,6 +10,7 @@ import torch
 
 from modules.vae import VAES, build_tiny
 from tpu import vae as tv
+from tpu import vae_wan
 
 
 def test_a_tpu_band_takes_the_grid_of_at_least_8_strips_with_the_least_halo():
@@ -61,7 +62,7 @@ def test_the_shortcut_upsampler_repeats_pixels_to_the_same_numbers(cin, cout, ft
     m = DupUp3D(cin, cout, ft, 2)
     x = torch.randn(2, cin, 3, 5, 4, generator=torch.Generator().manual_seed(cin + cout))
     for first in (False, True):
-        assert torch.equal(tv._wan_dup_up(m, x, first_chunk=first), m(x, first_chunk=first))
+        assert torch.equal(vae_wan.dup_up(m, x, first_chunk=first), m(x, first_chunk=first))
 
 
 @pytest.mark.parametrize("per_call", [2, 3])

@@ -145,7 +145,7 @@ def dtype_label(r: dict) -> str:
 
 
 def strips_label(r: dict) -> str:
-    """", each band as 4 x 2 strips" (`tpu.vae._Strips`); nothing for a band kept whole (and
+    """", each band as 4 x 2 strips" (`tpu.vae_strips.Strips`); nothing for a band kept whole (and
     for reports written before strips were recorded)."""
     rows, cols = r.get("strips", (1, 1))
     return f", each band as {rows} x {cols} strips" if rows * cols > 1 else ""
