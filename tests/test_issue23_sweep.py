@@ -17,6 +17,7 @@ import torch
 import stage2_transformer_flax_deepcache as stage2_script
 import stage3_vae_decode as stage3
 from commands import stage2
+from sampling import clips
 from sampling.pipelines import get_pipeline
 from sampling.stage_io import CONFIG, EMBEDDINGS, LATENTS, read_stage2, write_stage
 from tests.test_refusals import refused, snapshot
@@ -168,11 +169,29 @@ def test_stage2_into_a_decoded_folder_drops_the_old_video_fields(tmp_path):
     assert config["fps"] is not None  # a setting, kept
 
 
-def test_the_last_seed_samples_every_s2v_clip(tmp_path):
-    """seed + clip passes 2^64 - 1 on the second clip: it wraps, as a 64-bit counter does."""
+def test_the_last_seed_samples_every_s2v_clip(tmp_path, monkeypatch):
+    """Clip c starts from the noise of seed + c (sampling/clips.py, as the official code): from
+    the last seed, 2^64 - 1, the second clip's seed passes torch's range and wraps, as a 64-bit
+    counter does, to (2^64 - 1 + 1) mod 2^64 = 0. Each clip's loop starts from that noise."""
+    started = []
+    sample_once = clips.sample_once
+
+    def recorded(backend, config, sample, **kw):
+        started.append(sample.noise.clone())  # the torch backend's noise is a host tensor
+        return sample_once(backend, config, sample, **kw)
+
+    monkeypatch.setattr(clips, "sample_once", recorded)
     assert stage2_script.main([*FAST, "--model", "wan-tiny-s2v", "--seed", str(2 ** 64 - 1),
                                "--num_clips", "2", "--output_dir", str(tmp_path)]) == 0
-    assert torch.isfinite(read_stage2(str(tmp_path))[0]).all()
+    pipe = get_pipeline("wan-tiny-s2v")
+    shape = pipe.latent_shape(*pipe.size)
+    wrapped = [torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+               for seed in (2 ** 64 - 1, 0)]
+    assert len(started) == 2 and not torch.equal(*wrapped)
+    for clip, (noise, want) in enumerate(zip(started, wrapped, strict=True)):
+        assert torch.equal(noise, want), clip
+    latents = read_stage2(str(tmp_path))[0]
+    assert latents.shape[2] == 2 * shape[2] and torch.isfinite(latents).all()
 
 
 def test_stage2_latents_get_the_usual_file_mode(tmp_path):

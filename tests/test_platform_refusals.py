@@ -50,14 +50,15 @@ def no_work(monkeypatch, tmp_path):
 
 AOT = [
     (["--height", "65"], "--height 65: expected a positive multiple of 32"),
-    (["--width", "0"], "--width 0: expected a positive integer"),
+    (["--width", "0"], "--width 0: expected a positive width"),
     (["--sample_shift", "-1"], "--sample_shift -1.0: expected a finite number > 0"),
     (["--guidance_scale", "nan"], "--guidance_scale nan: expected a number in [0, 100]"),
     (["--guidance_scale", "1e39"], "--guidance_scale 1e+39: expected a number in [0, 100]"),
     (["--num_inference_steps", "1000000000"], "--num_inference_steps 1000000000: expected an "
      "integer in [1, 1000]"),
     (["--height", "100000", "--width", "100000"], "--height 100000, --width 100000, "
-     "--video_length 9: 29,296,875 tokens per model call; expected at most 1,048,576"),
+     "--video_length (default) 9: 29,296,875 tokens per model call (2.6 GiB for one hidden "
+     "state of the wan-tiny-ti2v model); expected at most 1,048,576"),
     (["--json", "missing/r.json"], "--json 'missing/r.json': expected a file in an existing, "
      "writable folder"),
     (["--topology", "v6e:2x3"], "--topology v6e:2x3: not a v6e slice Cloud TPU offers; expected "
@@ -86,13 +87,61 @@ def test_aot_refuses_before_loading_libtpu(no_work, capfd, argv, message):
     assert listing(no_work) == []
 
 
-@pytest.mark.parametrize("name", [
-    "v6e:1x1", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v6e:8x16", "v6e:16x16",
-    "v5e:1x1", "v5e:2x4", "v5e:16x16", "v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4",
-    "v5p:4x4x4", "v5p:4x4x8", "v5p:4x8x8", "v5p:8x16x16", "v5p:4x4x92", "v5p:16x16x24"])
-def test_every_documented_slice_shape_is_taken(name):
-    chip, dims = aot.parse_topology(name)
-    assert len(dims) == 3 and name.startswith(chip.name)
+@pytest.mark.parametrize("name, generation, dims", [
+    ("v6e:1x1", "v6e", (1, 1, 1)), ("v6e:2x2", "v6e", (2, 2, 1)), ("v6e:2x4", "v6e", (2, 4, 1)),
+    ("v6e:4x4", "v6e", (4, 4, 1)), ("v6e:4x8", "v6e", (4, 8, 1)), ("v6e:8x8", "v6e", (8, 8, 1)),
+    ("v6e:8x16", "v6e", (8, 16, 1)), ("v6e:16x16", "v6e", (16, 16, 1)),
+    ("v5e:1x1", "v5e", (1, 1, 1)), ("v5e:2x4", "v5e", (2, 4, 1)), ("v5e:16x16", "v5e", (16, 16, 1)),
+    ("v5p:2x2x1", "v5p", (2, 2, 1)), ("v5p:2x2x2", "v5p", (2, 2, 2)), ("v5p:2x2x4", "v5p", (2, 2, 4)),
+    ("v5p:2x4x4", "v5p", (2, 4, 4)), ("v5p:4x4x4", "v5p", (4, 4, 4)), ("v5p:4x4x8", "v5p", (4, 4, 8)),
+    ("v5p:4x8x8", "v5p", (4, 8, 8)), ("v5p:8x16x16", "v5p", (8, 16, 16)),
+    ("v5p:4x4x92", "v5p", (4, 4, 92)), ("v5p:16x16x24", "v5p", (16, 16, 24))])
+def test_every_documented_slice_shape_is_taken(name, generation, dims):
+    """Each shape Cloud TPU documents parses to its generation's chip and its chips per axis,
+    in the order given (a 2D slice's third axis 1)."""
+    chip, parsed = aot.parse_topology(name)
+    assert (chip.name, parsed) == (generation, dims)
+
+
+# --- refusals stage 2 and tpu.aot share (one resolution: sampling/run_spec.py) ---------------
+
+SHARED = [
+    ["--cfg_parallel", "--cfg_mode", "separate"],
+    ["--cfg_parallel", "--cfg_mode", "shared_diff"],
+    ["--cfg_mode", "fused", "--guidance_scale", "1"],
+    ["--height", "100000", "--width", "100000", "--video_length", "9"],
+    ["--height", "100000", "--width", "100000"],  # a default size is labelled alike
+    ["--height", "65"],
+    ["--width", "0"],
+    ["--video_length", "8"],
+    ["--num_inference_steps", "0"],
+    ["--num_inference_steps", "1000000000"],
+    ["--sample_shift", "-1"],
+]
+
+
+def _refusal(main, argv, capsys) -> str:
+    capsys.readouterr()
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    return one_line(err).split(": error: ", 1)[1]
+
+
+@pytest.mark.parametrize("model", ["wan-tiny-ti2v", "wan-tiny-i2v"])
+@pytest.mark.parametrize("flags", SHARED, ids=[" ".join(f) for f in SHARED])
+def test_stage2_and_tpu_aot_refuse_the_same_flags_word_for_word(no_work, capsys, model, flags):
+    said = _refusal(stage2.main, ["--model", model, "--compile_cache_dir", "none", *flags], capsys)
+    assert _refusal(aot.main, ["--model", model, "--topology", "v6e:1x1", *flags], capsys) == said
+    assert listing(no_work) == []
+
+
+def test_the_token_bound_is_stated_once_with_its_figures(no_work, capsys):
+    said = _refusal(aot.main, ["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--height",
+                               "100000", "--width", "100000"], capsys)
+    assert said == ("--height 100000, --width 100000, --video_length (default) 9: 29,296,875 "
+                    "tokens per model call (2.6 GiB for one hidden state of the wan-tiny-ti2v "
+                    "model); expected at most 1,048,576 (9x HunyuanVideo-1.5 720p)")
 
 
 # --- stage 2: JAX_PLATFORMS, --device, --attention -------------------------------------------

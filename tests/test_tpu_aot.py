@@ -3,7 +3,6 @@ the tiny models' stage programs with the splash kernel lowered by Mosaic (not in
 chip and on a sequence-parallel mesh, with replicated and FSDP weights; the memory plan and the
 collective accounting; the command's errors."""
 
-import math
 import os
 import subprocess
 import sys
@@ -13,9 +12,10 @@ import pytest
 import torch
 
 import tpu.hlo
-from cache import CMConfig, DeepCacheConfig, TeaCacheConfig
+from cache import CacheManager, CMConfig, DeepCacheConfig, TeaCacheConfig
 from modules.checkpoint import cast_model
 from modules.registry import build_model
+from sampling.loop import denoise
 from sampling.pipelines import get_pipeline
 from sampling.run import make_sample, warm_up
 from sampling.schedulers import make_scheduler
@@ -144,27 +144,75 @@ def test_collective_accounting_reads_every_replica_group_form():
     assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["bytes"] == 32  # -done not counted
 
 
+def _loop_calls(backend, config, sample, scheduler):
+    """(program name -> calls, per-step computed) of one real trajectory (sampling.loop.denoise)
+    on the backend, which counts every program call (`calls`) as it compiles instead of runs."""
+    before = dict(backend.calls)
+    gate = CacheManager(config, backend.ops)
+    gate.attach(len(scheduler.timesteps))
+    _, stats = denoise(backend, gate, backend.plan, scheduler.fresh(), sample)
+    calls = {n: c - before.get(n, 0) for n, c in backend.calls.items() if c != before.get(n, 0)}
+    return calls, stats.step_computed
+
+
 def test_run_plan_counts_what_the_run_holds(slice_v6e):
+    """The plan of one trajectory against what is known without it: the weights are the torch
+    models' parameter bytes, a residual is the hidden state worked out below, and the roofline
+    seconds are the programs the real loop runs on this backend, each call priced at its
+    program's own roofline."""
     chip, devices = slice_v6e
-    config = CMConfig(teacache=TeaCacheConfig())
-    backend, _ = _compile(devices, "wan-tiny-i2v", config)
-    plan = aot_backend.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
-                        computed_fraction=0.5, swap_experts=False)
-    m = plan.memory
-    assert m["weights"] == sum(backend.expert_bytes.values()) and m["experts_resident"] == 2
-    assert m["slots"] == 2 and m["residual_slots"] == 2 * m["residual_bytes"] > 0
-    assert m["total"] == m["weights"] + m["residual_slots"] + m["probe_references"] + \
-        m["inputs"] + m["in_flight"] and m["fits"]
-    swap = aot_backend.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
-                        computed_fraction=0.5, swap_experts=True).memory
-    assert swap["weights"] == max(backend.expert_bytes.values()) == swap["switch_bytes"]
-    s = plan.seconds
-    assert plan.schedule["computed_steps"] == 3
-    assert math.isclose(s["run_cached"], 3 * 2 * s["full_call"] + 3 * 2 * s["reused_call"])
-    assert s["reused_call"] < s["full_call"] and s["speedup"] > 1
-    # the same plan with each program's HBM bound from its HBM traffic (tpu/hbm.py): the
-    # memory-space-aware count never exceeds XLA's bytes accessed
-    t = s["traffic"]
+    # DeepCache start 1, end 5, interval 2 over 6 steps: steps 2 and 4 reused, 0, 1, 3, 5 computed
+    config = CMConfig(deepcache=DeepCacheConfig(start=1, end=5, interval=2))
+    backend, models = _compile(devices, "wan-tiny-i2v", config)
+    plans = {swap: aot_backend.run_plan(backend, chip, config, steps=6, branches=2, helpers={},
+                                        computed_fraction=None, swap_experts=swap)
+             for swap in (False, True)}
+    m, swap = plans[False].memory, plans[True].memory
+    expert_bytes = [sum(p.numel() * p.element_size() for p in model.parameters())
+                    for model in models.values()]  # bf16, the fp32 ones kept (modules.wan)
+    assert len(expert_bytes) == m["experts_resident"] == 2
+    assert m["weights"] == sum(expert_bytes) and swap["weights"] == max(expert_bytes)
+    assert swap["switch_bytes"] == max(expert_bytes) and swap["experts_resident"] == 1
+    # the residual is the hidden state [1, tokens, dim] in fp32: the i2v latent [1, 4, 3, 8, 12]
+    # in patches of 1 x 2 x 2 is 3 * 4 * 6 = 72 tokens of dim 24, 72 * 24 * 4 = 6912 bytes; one
+    # slot per CFG branch, no probe reference (DeepCache compares nothing)
+    assert (m["residual_bytes"], m["slots"], m["residual_slots"]) == (6912, 2, 2 * 6912)
+    assert m["probe_references"] == 0
+    assert m["fits"] and m["total"] >= m["weights"] + m["residual_slots"]
+
+    pipe = get_pipeline("wan-tiny-i2v")
+    scheduler = make_scheduler(pipe.solver, 6, pipe.shift)
+    shape = pipe.latent_shape(*pipe.size)
+    sample = make_sample(backend, pipe, pipe.synthesize(shape, True, True, 0), shape, image=True,
+                         seed=0)
+    helpers = aot_backend.step_helpers(backend, scheduler.fresh(), sample, cfg_on=True)
+    plan = aot_backend.run_plan(backend, chip, config, steps=6, branches=2, helpers=helpers,
+                                computed_fraction=None, swap_experts=False)
+    cached, computed = _loop_calls(backend, config, sample, scheduler)
+    uncached, _ = _loop_calls(backend, CMConfig(), sample, scheduler)
+    assert computed == [True, True, False, True, False, True]
+    assert plan.schedule["computed_steps"] == sum(computed) == 4
+    # 2 branches: 8 computed calls (probe, middle, the residual's sub, tail), 4 reused (probe,
+    # the residual's add, tail); caching off, 12 of probe, middle, tail
+    assert {n: cached[n] for n in ("probe", "middle", "sub", "add", "tail")} == \
+        {"probe": 12, "middle": 8, "sub": 8, "add": 4, "tail": 12}
+    assert {n: uncached.get(n, 0) for n in ("probe", "middle", "sub", "add", "tail")} == \
+        {"probe": 12, "middle": 12, "sub": 0, "add": 0, "tail": 12}
+    for calls in (cached, uncached):  # the scheduler's combinations: the helpers of 6 steps
+        assert {n: c for n, c in calls.items() if n.startswith("lincomb")} == \
+            {n: round(6 * k) for n, k in helpers.items()}
+
+    def priced(calls, traffic):
+        return sum(c * backend.program(n).seconds(chip, traffic)["roofline"] for n, c in calls.items())
+
+    s, t = plan.seconds, plan.seconds["traffic"]
+    assert s["run_cached"] == pytest.approx(priced(cached, False), rel=1e-12, abs=0)
+    assert s["run_uncached"] == pytest.approx(priced(uncached, False), rel=1e-12, abs=0)
+    assert t["run_cached"] == pytest.approx(priced(cached, True), rel=1e-12, abs=0)
+    assert s["speedup"] == pytest.approx(priced(uncached, False) / priced(cached, False))
+    assert 1 < s["speedup"] and s["reused_call"] < s["full_call"]
+    # each program's HBM bound from its HBM traffic (tpu/hbm.py): the memory-space-aware count
+    # never exceeds XLA's bytes accessed
     assert all(backend.program(n).hbm_bytes <= backend.program(n).bytes_accessed
                for n in ("probe", "middle", "tail"))
     assert 0 < t["run_cached"] <= s["run_cached"] and t["full_call"] <= s["full_call"]

@@ -100,7 +100,9 @@ class JaxOps:
         return tuple(leaf.dtype for leaf in _leaves(x))
 
     def device(self, x):
-        return tuple(frozenset(leaf.devices()) for leaf in _leaves(x))
+        # the sharding's device set, not leaf.devices(): the compile-only arrays of a deviceless
+        # TPU compile carry a sharding and no devices (a reuse there fell back to compute)
+        return tuple(frozenset(leaf.sharding.device_set) for leaf in _leaves(x))
 
     def move(self, x, device):
         return jax.device_put(x, device)
