@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,11 +36,14 @@ from modules.checkpoint import CheckpointError, model_fingerprint
 from modules.layers import ModelConfigError
 from sampling import budget, progress
 from sampling.cli import CommandParser, UsageError, as_int, command
-from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
+from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, Pipeline, get_pipeline
 from sampling.run import make_sample, sample_once
+from sampling.run_spec import check_path
 from sampling.schedulers import SchedulerError
 from sampling.stage_io import StageFileError, atomic_write, check_writable_file
 from sampling.stages import SignalPlan
+
+from .stage2_backend import load_models
 
 
 class OutputChanges:
@@ -192,7 +196,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def resolve(args) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """A calibration, its flags checked: what to sample, how many times, and where it goes."""
+
+    pipe: Pipeline
+    model_path: str | None
+    backend: str  # where the samples run: jax or torch
+    samples: int
+    steps: int
+    first_seed: int
+    signal: str  # what the TeaCache signature summarises
+    degree: int
+    budget: bool  # also measure every configuration budgeted mode chooses from
+    out: str
+
+
+def resolve(args) -> Calibration:
     """The flags, checked before any model is loaded or program compiled."""
     pipe = get_pipeline(args.model)
     samples = as_int("--samples", args.samples, minimum=1)
@@ -208,34 +228,40 @@ def resolve(args) -> dict:
     if args.budget and samples < 2:
         raise UsageError(f"--budget learns its safety margin from the spread between samples; "
                          f"--samples {samples}: expected 2 or more")
-    if args.model_path == "":
-        raise UsageError("--model_path '': expected a path")
+    check_path("--model_path", args.model_path)
     check_writable_file("--out", args.out)
-    return dict(pipe=pipe, samples=samples, steps=steps, degree=degree, first_seed=first_seed)
+    return Calibration(pipe=pipe, model_path=args.model_path, backend=args.backend,
+                       samples=samples, steps=steps, first_seed=first_seed,
+                       signal=args.teacache_signal, degree=degree, budget=args.budget, out=args.out)
 
 
 def run(args) -> dict:
-    r = resolve(args)
-    from .stage2 import load_models
+    return calibrate(resolve(args))
 
-    pipe, steps = r["pipe"], r["steps"]
-    models = load_models(pipe, args.model_path, torch.float32)
-    plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig(signal=args.teacache_signal)))
-    if args.backend == "torch":
+
+def _backend(kind: str, models: dict, plan):
+    if kind == "torch":
         from torch_backend.backend import TorchBackend
-        backend = TorchBackend(models, plan)
-    else:
-        from tpu.backend import JaxBackend
-        backend = JaxBackend(models, plan)
+        return TorchBackend(models, plan)
+    from tpu.backend import JaxBackend
+    return JaxBackend(models, plan)
+
+
+def calibrate(spec: Calibration) -> dict:
+    """Sample, fit, (measure the budget's configurations,) write the profile once, at the end."""
+    pipe, steps = spec.pipe, spec.steps
+    models = load_models(pipe, spec.model_path, torch.float32)
+    plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig(signal=spec.signal)))
+    backend = _backend(spec.backend, models, plan)
     shape = pipe.latent_shape(*pipe.size)
-    seeds = range(r["first_seed"], r["first_seed"] + r["samples"])
+    seeds = range(spec.first_seed, spec.first_seed + spec.samples)
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
-    pairs, ratios = collect(backend, pipe, tensors, shape, signal=args.teacache_signal,
+    pairs, ratios = collect(backend, pipe, tensors, shape, signal=spec.signal,
                             steps=steps, solver=pipe.solver, shift=pipe.shift)
-    result = fit(pairs, r["degree"])
+    result = fit(pairs, spec.degree)
     profile = {
-        "signal": args.teacache_signal, "threshold": 0.15, "warmup": 1,
-        "source": f"commands.calibrate: {args.model}, {r['samples']} samples x {steps} steps "
+        "signal": spec.signal, "threshold": 0.15, "warmup": 1,
+        "source": f"commands.calibrate: {pipe.name}, {spec.samples} samples x {steps} steps "
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
         # which weights these figures hold for: stage 2 refuses the profile for others
         "weights_fingerprint": {expert: model_fingerprint(m) for expert, m in models.items()},
@@ -244,23 +270,17 @@ def run(args) -> dict:
         magcache.PROFILE_KEY: {**{b: [round(x, 6) for x in v] for b, v in ratios.items()},
                                "steps": steps, "measured_on": "model output (velocity)"},
     }
-    if args.budget:
-        def make_backend(plan):
-            if args.backend == "torch":
-                from torch_backend.backend import TorchBackend
-                return TorchBackend(models, plan)
-            from tpu.backend import JaxBackend
-            return JaxBackend(models, plan)
-
-        candidates = measure_space(make_backend, pipe, tensors, shape, steps=steps,
-                                   solver=pipe.solver, shift=pipe.shift,
+    if spec.budget:
+        candidates = measure_space(lambda plan: _backend(spec.backend, models, plan), pipe,
+                                   tensors, shape, steps=steps, solver=pipe.solver,
+                                   shift=pipe.shift,
                                    space=budget.space(pipe.solver, steps, pipe.shift),
                                    log=lambda line: print(line, flush=True))
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
-    _write(args.out, profile)  # once, at the end: an interrupted run leaves the old profile
-    return {"calls": len(pairs), "result": result, "out": args.out,
-            "budget": profile.get("budget"), "warnings": fit_warnings(result, args.teacache_signal)}
+    _write(spec.out, profile)  # once, at the end: an interrupted run leaves the old profile
+    return {"calls": len(pairs), "result": result, "out": spec.out,
+            "budget": profile.get("budget"), "warnings": fit_warnings(result, spec.signal)}
 
 
 MIN_R2 = 0.8  # below: the curve predicts the output's change too poorly to gate on

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import hashlib
 import json
@@ -36,12 +37,15 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from sampling.cli import CommandParser, UsageError, as_int, command
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE
+from sampling.run_spec import DEFAULT_SEED, RunSpec, from_flags
 from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
@@ -153,12 +157,12 @@ def _say(writer: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _folders(args, n: int) -> list[str]:
-    return [_root(args)] if n == 1 else [os.path.join(_root(args), f"{i + 1:03d}") for i in range(n)]
+def _folders(root: str, n: int) -> list[str]:
+    return [root] if n == 1 else [os.path.join(root, f"{i + 1:03d}") for i in range(n)]
 
 
-def _root(args) -> str:
-    return args.output_dir if args.output_dir is not None else "outputs"
+def _root(output_dir: str | None) -> str:
+    return output_dir if output_dir is not None else "outputs"
 
 
 # --- resuming: what each prompt's folder already holds for this very request -------------------
@@ -265,8 +269,8 @@ def run(args) -> dict:
     args.model = args.model or DEFAULT_PIPELINE
     entries = read_prompts(args)
     pipe = stage1.pipeline_of(args)
-    folders = _folders(args, len(entries))
-    base_seed = args.seed if args.seed is not None else stage2.DEFAULT_SEED
+    folders = _folders(_root(args.output_dir), len(entries))
+    base_seed = args.seed if args.seed is not None else DEFAULT_SEED
     jobs = []
     for i, (entry, folder) in enumerate(zip(entries, folders, strict=True)):
         request = stage1.request_of(args, entry["prompt"], **{
@@ -277,10 +281,11 @@ def run(args) -> dict:
         check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO)
                        + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
         stage1.check(pipe, request, args.encoder_path)
-        jobs.append(Job(request, run_args, folder, request_id(args, entry, run_args.seed, pipe.name)))
+        jobs.append(Job(request, functools.partial(stage2.resolve, run_args), folder,
+                        request_id(args, entry, run_args.seed, pipe.name)))
     # stage 2's flags, sizes and outputs, checked on the first prompt: refused here, before any
     # model loads
-    stage2.resolve(copy.copy(jobs[0].args))
+    jobs[0].resolve(None)
     stage3_args = stage3.build_parser().parse_args([])
     stage3_args.vae_path, stage3_args.fps = args.vae_path, args.fps
     if args.fps is not None:
@@ -290,19 +295,33 @@ def run(args) -> dict:
     if args.multihost:  # before anything touches JAX (importing the backend does)
         from tpu.distributed import initialize
         initialize(args.coordinator_address, args.num_processes, args.process_id)
-    writer = stage2.backend_writer(args)
-    with one_writer(_root(args)) if writer else contextlib.nullcontext():
-        return _job(args, pipe, jobs, stage3_args, writer)
+    writer = stage2.backend_writer(args.multihost)
+    with one_writer(_root(args.output_dir)) if writer else contextlib.nullcontext():
+        return _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer)
 
 
 _PER_CALL = ("trace", "histograms", "summary")
 
 
-class Job:
-    """One prompt of the job: its stage-1 request, its stage-2 flags, its folder and request id."""
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What the job's loop needs of its own flags (each prompt's stage-2 run is its `Job`'s)."""
 
-    def __init__(self, request, args, folder: str, request_id: str):
-        self.request, self.args, self.folder, self.id = request, args, folder, request_id
+    overwrite: bool
+    compare: bool
+    multihost: bool
+    encoder_path: str | None
+    encoder_device: str | None
+    vae_path: str | None
+
+
+class Job:
+    """One prompt of the job: its stage-1 request, its stage-2 run (resolved from its flags once
+    its stage-1 (tensors, config) are there, `resolve(given)`), its folder and request id."""
+
+    def __init__(self, request, resolve: Callable[[tuple | None], RunSpec], folder: str,
+                 request_id: str):
+        self.request, self.resolve, self.folder, self.id = request, resolve, folder, request_id
         self.state = ENCODE
         self.given = None  # stage 1's (tensors, config), made or read back
         self.report = None  # stage 2's, when this run sampled it
@@ -310,12 +329,12 @@ class Job:
         self.uncached = None  # --compare: the uncached latents
 
 
-def _job(args, pipe, jobs: list[Job], stage3_args, writer: bool) -> dict:
+def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -> dict:
     began = time.perf_counter()
     n = len(jobs)
-    states = [ENCODE] * n if args.overwrite else [
-        folder_state(j.folder, j.id, args.compare) for j in jobs] if writer else [ENCODE] * n
-    for job, state in zip(jobs, _agree(states, args.multihost), strict=True):
+    states = [ENCODE] * n if settings.overwrite else [
+        folder_state(j.folder, j.id, settings.compare) for j in jobs] if writer else [ENCODE] * n
+    for job, state in zip(jobs, _agree(states, settings.multihost), strict=True):
         job.state = state
     note = _resuming([j.state for j in jobs])
     if note:
@@ -329,8 +348,8 @@ def _job(args, pipe, jobs: list[Job], stage3_args, writer: bool) -> dict:
         if job.state in (DONE, DECODE) or (job.state == SAMPLE and writer):
             continue
         t0 = time.perf_counter()
-        tensors, metadata, config = stage1.encode(pipe, job.request, args.encoder_path,
-                                                  args.encoder_device)
+        tensors, metadata, config = stage1.encode(pipe, job.request, settings.encoder_path,
+                                                  settings.encoder_device)
         config[REQUEST] = job.id
         if writer:  # read back when its turn comes: a batch holds one prompt's tensors
             write_stage(job.folder, tensors, EMBEDDINGS, metadata, config)
@@ -342,20 +361,19 @@ def _job(args, pipe, jobs: list[Job], stage3_args, writer: bool) -> dict:
 
     # stages 2 and 3 prompt by prompt: a video is final as soon as its prompt is decoded. One
     # backend, its programs built for the first sampled prompt's shapes; one VAE and decoder
-    backend, decode = None, _Decoder(args, stage3_args, writer)
+    backend, decode = None, _Decoder(settings.vae_path, stage3_args)
     for i, job in enumerate(jobs):
         if job.state in (SAMPLE, ENCODE):
             given = job.given or (read_tensors(os.path.join(job.folder, EMBEDDINGS))[0],
                                   read_config(job.folder))
-            r = stage2.resolve(job.args, given)
-            loaded = None
+            spec = job.resolve(given)
+            opened = None
             if backend is None:
-                backend, loaded = stage2.open_backend(job.args, r)
-            report = stage2.sample_and_write(job.args, r, backend, writer, loaded)
+                backend, opened = stage2.open_backend(spec)
+            report, job.uncached = stage2.sample_and_write(spec, backend, writer, opened)
             # the per-call trace stays in the prompt's own telemetry: a batch of thousands keeps
             # each prompt's figures only
             job.report = {k: v for k, v in report.items() if k not in _PER_CALL}
-            job.uncached = r.get("uncached_latents")
             t, c = report["time"], report["compiles"]
             computed = sum(v["computed"] for v in report["branches"].values())
             calls = computed + sum(v["reused"] for v in report["branches"].values())
@@ -383,8 +401,8 @@ class _Decoder:
     """Stage 3 for every prompt of the job: one VAE, and on JAX one decoder whose programs
     compile for the first prompt's shapes and are reused by the next ones."""
 
-    def __init__(self, args, stage3_args, writer: bool):
-        self.args, self.stage3_args, self.writer = args, stage3_args, writer
+    def __init__(self, vae_path: str | None, stage3_args):
+        self.vae_path, self.stage3_args = vae_path, stage3_args
         self.built, self.decoders = None, {}
         # The mp4 writer starts ffmpeg through subprocess, whose fork is followed by exec at
         # once; JAX's warning about forking a multithreaded process is for forks that go on
@@ -397,7 +415,7 @@ class _Decoder:
         r3 = stage3.resolve(decode_args)
         device = stage3.device_for(None, None)
         if self.built is None:
-            self.built = stage3.build_vae(r3["pipe"], self.args.vae_path, r3["dtype"])
+            self.built = stage3.build_vae(r3["pipe"], self.vae_path, r3["dtype"])
         also = None
         if job.uncached is not None:  # --compare: the uncached video and a strip beside it
             also = Staged()

@@ -53,10 +53,10 @@ def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path
 def _latents(argv, given=None):
     args = stage2.build_parser().parse_args([*argv, "--num_inference_steps", "6", "--no_progress",
                                              "--compile_cache_dir", "none"])
-    r = stage2.resolve(args, given)
-    stage2.check_prompt_used(args, r)
-    backend, loaded = stage2.open_backend(args, r)
-    return stage2.sample_and_write(args, r, backend, True, loaded), r
+    spec = stage2.resolve(args, given)
+    stage2.check_prompt_used(args, spec)
+    backend, opened = stage2.open_backend(spec)
+    return stage2.sample_and_write(spec, backend, True, opened)[0], spec
 
 
 def test_without_inputs_stage2_samples_its_prompt_as_stage1_would_encode_it(tmp_path):

@@ -294,7 +294,7 @@ def test_teacache_rescale_is_clamped_at_zero_below_the_fitted_range(tmp_path):
 
 
 def test_the_summary_warns_once_when_a_profile_ran_outside_its_fitted_range(tmp_path):
-    from commands.stage2 import profile_warnings
+    from commands.stage2_report import profile_warnings
     config = CMConfig(teacache=TeaCacheConfig(threshold=0.1, policy=fitted_profile(tmp_path)))
     g = gate(config, 12)
     run(g, OUT_OF_RANGE_SIGS)

@@ -42,9 +42,17 @@ from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
 from modules.checkpoint import CheckpointError, cast_model, load_model  # noqa: E402
 from modules.layers import ModelConfigError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
-from sampling.cli import UsageError, as_int, as_number, command  # noqa: E402
-from sampling.pipelines import MAX_GUIDANCE, MAX_STEPS, MAX_TOKENS, PIPELINES, SizeError, get_pipeline  # noqa: E402
+from sampling.cli import UsageError, as_number, command  # noqa: E402
+from sampling.pipelines import MAX_GUIDANCE, PIPELINES, get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
+from sampling.run_spec import (  # noqa: E402
+    check_cfg,
+    expert_path,
+    shift_of,
+    size_of,
+    steps_of,
+    with_cfg_parallel,
+)
 from sampling.schedulers import SOLVERS, SchedulerError, make_scheduler  # noqa: E402
 from sampling.stage_io import StageFileError, check_writable_file  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
@@ -103,9 +111,8 @@ def _models(pipe, model_path, dtype) -> dict:
         if model_path is None:
             models[expert] = cast_model(build_model(name, meta=True), dtype)
         else:
-            sub = pipe.checkpoint_dirs.get(expert)
-            path = os.path.join(model_path, sub) if sub else model_path
-            models[expert], _ = load_model(path, name, dtype=dtype, meta=True)
+            models[expert], _ = load_model(expert_path(pipe, model_path, expert), name,
+                                           dtype=dtype, meta=True)
     return models
 
 
@@ -115,12 +122,8 @@ def run(args) -> dict:
     chip, dims = parse_topology(args.topology)
     chips = math.prod(dims)  # one JAX device per chip on v5e, v5p (megacore) and v6e
     pipe = get_pipeline(args.model)
-    config = config_from_args(args)
-    if args.cfg_parallel:
-        if args.cfg_mode not in (None, "fused"):
-            raise AotError(f"--cfg_parallel runs cond and uncond as one fused call; it cannot run "
-                           f"with --cfg_mode {args.cfg_mode}")
-        config = dataclasses.replace(config, cfg_mode="fused")
+    # the resolution stage 2 makes of the same flags (sampling.run_spec): the same refusals
+    config = with_cfg_parallel(config_from_args(args), args.cfg_parallel, args.cfg_mode)
     sp, cfg = args.sp_size, 2 if args.cfg_parallel else 1
     if sp < 1:
         raise AotError(f"--sp_size {sp}: expected >= 1")
@@ -130,40 +133,18 @@ def run(args) -> dict:
                        f"{chips // cfg if chips % cfg == 0 else chips}"
                        f"{' --cfg_parallel' if cfg > 1 and chips % cfg == 0 else ''}, or a "
                        f"{sp * cfg}-chip topology")
-    given = {}
-    for flag in ("height", "width", "video_length", "num_inference_steps"):
-        value = getattr(args, flag)
-        if value is not None:
-            steps_flag = flag == "num_inference_steps"
-            given[flag] = as_int(f"--{flag}", value, minimum=1,
-                                 maximum=MAX_STEPS if steps_flag else None,
-                                 expected=f"an integer in [1, {MAX_STEPS}]" if steps_flag
-                                 else "a positive integer")
     if args.computed_fraction is not None and not 0 < args.computed_fraction <= 1:
         raise AotError(f"--computed_fraction {args.computed_fraction}: expected in (0, 1]")
-    size = tuple(given.get(k, d) for k, d in
-                 zip(("height", "width", "video_length"), pipe.size, strict=True))
-    try:
-        latent_shape = pipe.latent_shape(*size)
-    except SizeError as exc:
-        raise AotError(f"--{exc.name} {exc.value}: expected {exc.expected}") from None
-    tokens = pipe.tokens(latent_shape)
-    if tokens > MAX_TOKENS:  # the same bound as stage 2's
-        raise AotError(f"--height {size[0]}, --width {size[1]}, --video_length {size[2]}: "
-                       f"{tokens:,} tokens per model call; expected at most {MAX_TOKENS:,}")
-    steps = given.get("num_inference_steps", pipe.steps)
-    shift = as_number("--sample_shift", args.sample_shift, above=0.0,
-                      expected="a finite number > 0 (1.0 = no shift)") \
-        if args.sample_shift is not None else pipe.shift
+    size, latent_shape = size_of(pipe, (args.height, args.width, args.video_length))
+    steps = steps_of(args.num_inference_steps, pipe)
+    shift = shift_of(args.sample_shift, pipe)
     solver = args.sample_solver or pipe.solver
     guidance = args.guidance_scale
     if guidance is not None:
         as_number("--guidance_scale", guidance, minimum=0.0, maximum=MAX_GUIDANCE,
                   expected=f"a number in [0, {MAX_GUIDANCE:g}] (1 turns CFG off)")
-    cfg_on = any(pipe.guidance_for(e, guidance) != 1.0 for e, _ in pipe.experts)
+    cfg_on = check_cfg(config, pipe, guidance, args.cfg_parallel)
     fused = config.cfg_mode == "fused"
-    if fused and not cfg_on:
-        raise AotError("a fused CFG pair (--cfg_parallel, --cfg_mode fused) needs guidance != 1")
     if args.swap_experts and args.weight_sharding == "fsdp":
         raise AotError("--swap_experts plans for whole experts swapped in at the switch; with "
                        "--weight_sharding fsdp both stay resident, split")
