@@ -98,6 +98,7 @@ from cache import (  # noqa: E402
     TeaCacheConfig,
 )
 from sampling.fidelity import fidelity  # noqa: E402
+from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
@@ -404,10 +405,14 @@ def _unavailable(message):
 def _write_json(path, data):
     """JSON, written whole or not at all; gzip-compressed where the name ends in .gz (the
     trained regime's traces: a dozen prompts of per-call decisions for every setting)."""
-    tmp = path + ".tmp"
-    with (gzip.open(tmp, "wt") if path.endswith(".gz") else open(tmp, "w")) as f:
-        json.dump(data, f, indent=None if path.endswith(".gz") else 1)
-    os.replace(tmp, path)
+    if not path.endswith(".gz"):
+        atomic_write(path, lambda f: json.dump(data, f, indent=1))
+        return
+
+    def packed(f):
+        with gzip.GzipFile(fileobj=f, mode="wb") as z:
+            z.write(json.dumps(data).encode())
+    atomic_write(path, packed, mode="wb")
 
 
 def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:

@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 
@@ -43,6 +42,7 @@ from modules.checkpoint import CheckpointError, cast_model, load_model  # noqa: 
 from modules.layers import ModelConfigError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.cli import UsageError, as_number, command  # noqa: E402
+from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import MAX_GUIDANCE, PIPELINES, get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
 from sampling.run_spec import (  # noqa: E402
@@ -196,9 +196,8 @@ def run(args) -> dict:
         "wall_seconds": time.perf_counter() - began,
     }
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        os.replace(args.json + ".tmp", args.json)
+        # whole or not at all, and no fixed temporary name two runs would share
+        atomic_write(args.json, lambda f: json.dump(report, f, indent=1, default=str))
     return report
 
 

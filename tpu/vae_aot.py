@@ -24,6 +24,7 @@ import torch
 
 from modules.vae import VAES, spec_for
 from sampling.cli import as_int
+from sampling.journal import atomic_write
 from sampling.pipelines import PIPELINES, SizeError, get_pipeline
 from sampling.stage_io import check_writable_file
 
@@ -131,9 +132,8 @@ def run(args) -> dict:
         "compile_seconds": seconds,
     }
     if args.json:
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        os.replace(args.json + ".tmp", args.json)
+        # whole or not at all, and no fixed temporary name two runs would share
+        atomic_write(args.json, lambda f: json.dump(report, f, indent=1, default=str))
     return report
 
 
