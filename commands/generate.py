@@ -56,10 +56,9 @@ from sampling.stage_io import (
     StageFileError,
     check_writable,
     encode_mp4,
-    folder_lock,
     read_config,
     read_tensors,
-    recover,
+    settled_folder,
     write_stage,
 )
 
@@ -218,8 +217,7 @@ def folder_state(folder: str, request: str, compare: bool) -> str:
     if not os.path.isdir(folder):
         return ENCODE
     try:
-        with folder_lock(folder, exclusive=True):
-            recover(folder)
+        with settled_folder(folder):
             config = read_config(folder)
     except (OSError, StageFileError):
         return ENCODE

@@ -55,8 +55,8 @@ from .hunyuan_glyph import (
     glyph_states,
     glyph_text,
     glyph_to_t5,
+    load_byt5,
 )
-from .hunyuan_glyph import load_byt5 as _load_byt5
 from .hunyuan_image import (
     BUCKET_BASE,
     BUCKET_STRIDE,
@@ -67,11 +67,11 @@ from .hunyuan_image import (
     crop_size_list,
     first_frame_latent,
     image_size,
+    load_siglip,
+    load_vae,
     open_image,
     siglip_states,
 )
-from .hunyuan_image import load_siglip as _load_siglip
-from .hunyuan_image import load_vae as _load_vae
 from .hunyuan_text import (
     CROP_PROBE,
     CROP_PROBE_TOKENS,
@@ -82,9 +82,9 @@ from .hunyuan_text import (
     check_mllm,
     conversation,
     crop_start,
+    load_mllm,
     mllm_states,
 )
-from .hunyuan_text import load_mllm as _load_mllm
 from .hunyuan_tiny import (
     TINY_GLYPH_COLORS,
     TINY_GLYPH_FONTS,
@@ -200,12 +200,12 @@ def _dtype(part: str, weights, device, dtype):
     return (_CPU_DTYPES if torch.device(device).type == "cpu" else _OFFICIAL_DTYPES)[part]
 
 
-# The loaders (`_load_mllm`, ...) are imported under private names so that these steps look them
-# up in this module: a test stubs them all here to show that a refusal comes before any load.
+# The loaders are looked up in this module when a step runs: a test stubs them all here to show
+# that a refusal comes before any load.
 def _encode_text(root, layout, prompts: dict, cfg, dtype, device):
     tokenizer = load_tokenizer(root / layout.mllm_tokenizer)
     crop = crop_start(tokenizer)
-    model = _load_mllm(root, layout, dtype, device)
+    model = load_mllm(root, layout, dtype, device)
     out = {}
     for p, text in prompts.items():
         out[f"{p}prompt_embeds"], out[f"{p}prompt_embeds_mask"] = mllm_states(
@@ -217,7 +217,7 @@ def _encode_glyphs(root, layout, prompts: dict, cfg, dtype, device):
     model = tokenizer = None
     if any(text is not None and glyph_text(text) is not None for text in prompts.values()):
         tokenizer = byt5_tokenizer(layout, root)
-        model = _load_byt5(root, layout, len(tokenizer), dtype, device)
+        model = load_byt5(root, layout, len(tokenizer), dtype, device)
     out = {}
     for p, text in prompts.items():
         out[f"{p}prompt_embeds_2"], out[f"{p}prompt_embeds_mask_2"] = glyph_states(
@@ -226,12 +226,12 @@ def _encode_glyphs(root, layout, prompts: dict, cfg, dtype, device):
 
 
 def _encode_image_states(root, layout, image, dtype, device):
-    model, processor = _load_siglip(root, layout, dtype, device)
+    model, processor = load_siglip(root, layout, dtype, device)
     return {"image_embeds": siglip_states(model, processor, image, device)}, _size(model)
 
 
 def _encode_first_frame(root, layout, pipeline, image, dtype, device):
-    vae = _load_vae(root, layout, pipeline, dtype, device)
+    vae = load_vae(root, layout, pipeline, dtype, device)
     return {"image_latents": first_frame_latent(vae, image, device)}, _size(vae)
 
 

@@ -65,22 +65,17 @@ def warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> No
         _warm_up(backend, plan, scheduler, sample)
 
 
-def _distinct_shapes(branch_conds) -> list[dict]:
-    """The branches' condition dicts, one per distinct set of (name, shape, dtype)."""
-    seen, out = set(), []
-    for conds in branch_conds:
-        key = tuple((k, tuple(getattr(v, "shape", ())), str(getattr(v, "dtype", type(v))))
-                    for k, v in sorted(conds.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append(conds)
-    return out
-
-
-def _warm_model(backend: Backend, plan: SignalPlan, expert, t, conds: dict, noise):
-    """The model's programs of one branch's condition shapes, on the noise: (the tail's output,
-    the probe references the loop compares with)."""
-    hidden, ctx, signals, r1 = backend.probe(expert, noise, t, conds, None)
+def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> None:
+    pipe = sample.pipeline
+    t = backend.put(pipe.timestep_input(scheduler.timesteps[0], sample.latent_shape, sample.image))
+    # what the programs were built for; every branch has these shapes (Pipeline.conditions pads
+    # a shorter negative prompt as the model does)
+    conds = dict(next(iter(sample.conds.values())))
+    if pipe.meanflow:
+        conds["timestep_r"] = backend.put(torch.tensor([0.0]))
+    expert = pipe.experts[0][0]  # the JAX experts share their programs
+    backend.activate(expert)
+    hidden, ctx, signals, r1 = backend.probe(expert, sample.noise, t, conds, None)
     if plan.fields:
         backend.read_signals(signals)
     references = [r1] if plan.needs_reference else []
@@ -88,7 +83,7 @@ def _warm_model(backend: Backend, plan: SignalPlan, expert, t, conds: dict, nois
         references += [backend.ops.combine([(1.0, r1)] * (order + 1))
                        for order in range(1, plan.forecast + 1)]
     for ref in references:
-        backend.probe(expert, noise, t, conds, ref)
+        backend.probe(expert, sample.noise, t, conds, ref)
     after, parts = backend.middle(expert, hidden, ctx), None
     if plan.remodulate:  # the middle also returns its residual's parts; reuse hands them back
         after, parts = after
@@ -111,25 +106,6 @@ def _warm_model(backend: Backend, plan: SignalPlan, expert, t, conds: dict, nois
                 backend.ops.combine([(1.0, r)] * (order + 1))
     if plan.cached_tail:  # a reuse step's tail (a remodulated one starts from the probe's state)
         backend.cached_tail(expert, reused, ctx, ((parts,) if parts is not None else ()) + tuple(tail))
-    return out, references
-
-
-def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> None:
-    pipe = sample.pipeline
-    t = backend.put(pipe.timestep_input(scheduler.timesteps[0], sample.latent_shape, sample.image))
-    expert = pipe.experts[0][0]  # the JAX experts share their programs
-    backend.activate(expert)
-    # every branch whose conditions have other shapes (a negative prompt of another length than
-    # the prompt's) runs its own programs: each compiles here, not in the timed loop's first
-    # full step of that branch
-    warmed, out = [], None
-    for conds in _distinct_shapes(sample.conds.values()):
-        conds = dict(conds)
-        if pipe.meanflow:
-            conds["timestep_r"] = backend.put(torch.tensor([0.0]))
-        branch_out, references = _warm_model(backend, plan, expert, t, conds, sample.noise)
-        warmed.append((conds, references))
-        out = branch_out if out is None else out
     if isinstance(out, tuple):  # a fused CFG call returns (uncond, cond)
         out = out[1]
     lincomb, x = folding(backend.lincomb), sample.noise
@@ -143,10 +119,9 @@ def _warm_up(backend: Backend, plan: SignalPlan, scheduler, sample: Sample) -> N
     # jitted program specialises on placements: should a latent come back placed unlike the
     # noise (before the JAX layout returned results whole, Wan S2V's came back split over
     # frames), the program compiles here, not in the loop.
-    for conds, references in warmed:
-        for ref in [None] + references:
-            for previous in (sample.noise, x):
-                backend.probe(expert, x, t, conds, ref, previous)
+    for ref in [None] + references:
+        for previous in (sample.noise, x):
+            backend.probe(expert, x, t, conds, ref, previous)
     for updates in sample.cond_updates.values():  # the control guard's change measure
         for branch, new in updates.items():
             backend.relative_change(list(new.values()), [sample.conds[branch][n] for n in new])

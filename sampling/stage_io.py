@@ -195,7 +195,7 @@ def recover(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def _stage_folder(directory: str):
+def settled_folder(directory: str):
     """The folder's exclusive lock, with anything an interrupted run left recovered first."""
     with folder_lock(directory, exclusive=True):
         try:
@@ -241,7 +241,7 @@ def _write_with_config(directory: str, name: str, suffix: str, write_payload,
     pair = Commit(directory, also if also is not None else Staged())
     try:
         os.makedirs(directory, exist_ok=True)
-        with _stage_folder(directory):
+        with settled_folder(directory):
             for taken in (name, CONFIG):
                 if os.path.isdir(os.path.join(directory, taken)):
                     raise StageFileError(_taken_by_folder(directory, taken))
@@ -296,7 +296,7 @@ def read_stage2(directory: str):
 
 def read_stage2_tensors(directory: str):
     """(every tensor of the latents file, metadata, generation config), read as one pair."""
-    lock = _stage_folder(directory) if os.path.isdir(directory) else contextlib.nullcontext()
+    lock = settled_folder(directory) if os.path.isdir(directory) else contextlib.nullcontext()
     with lock:
         tensors, metadata = read_tensors(os.path.join(directory, LATENTS))
         config = read_config(directory)

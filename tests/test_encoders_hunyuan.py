@@ -404,7 +404,7 @@ def test_refusals(pipe, layout, breaks, fields, needles, request, tmp_path, monk
     fields = {k: str(tmp_path / v) if k in ("image", "audio") else v for k, v in fields.items()}
     if pipe is I2V and "image" not in fields and breaks is not None:
         fields["image"] = str(tmp_path / "ok.png")
-    for loader in ("_load_mllm", "_load_byt5", "_load_siglip", "_load_vae"):
+    for loader in ("load_mllm", "load_byt5", "load_siglip", "load_vae"):
         monkeypatch.setattr(hunyuan, loader, _no_model)  # refused before any model loads
     with pytest.raises(EncoderInputError) as exc:
         hunyuan.encode(pipe, Request("A cat", **fields), None if weights is None else str(weights))
