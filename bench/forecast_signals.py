@@ -36,6 +36,14 @@ from cache.residuals import extrapolation_weights  # noqa: E402
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "forecast_signals.md")
 
 
+def write_report(path: str, lines: list[str]) -> int:
+    """Write a report's lines to `path` and say where; main's exit status."""
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {os.path.relpath(path)}")
+    return 0
+
+
 def image_stream(x) -> torch.Tensor:
     """HunyuanVideo-1.5 carries (image, text) streams; block 0's residual and the middle's are
     compared on the image tokens, which the two share."""
@@ -67,6 +75,12 @@ def rel_l1(x, ref) -> float:
     return ((x - ref).abs().mean() / ref.abs().mean()).item()
 
 
+def forecast_error(residuals, nodes: list[int], at: int) -> float:
+    """rel L1 error of the Lagrange forecast at step `at` from the residuals kept at `nodes`."""
+    w = extrapolation_weights(nodes, at)
+    return rel_l1(sum(wi * residuals[n] for wi, n in zip(w, nodes, strict=True)), residuals[at])
+
+
 def forecast_rows(big, small, steps) -> list[str]:
     rows = []
     for order in (1, 2):
@@ -78,9 +92,7 @@ def forecast_rows(big, small, steps) -> list[str]:
                     at = last + gap
                     if at >= steps:
                         break
-                    w = extrapolation_weights(nodes, at)
-                    pairs.append((rel_l1(sum(wi * small[n] for wi, n in zip(w, nodes)), small[at]),
-                                  rel_l1(sum(wi * big[n] for wi, n in zip(w, nodes)), big[at])))
+                    pairs.append((forecast_error(small, nodes, at), forecast_error(big, nodes, at)))
             logs = torch.tensor(pairs).log()
             corr = torch.corrcoef(logs.T)[0, 1].item()
             ratio = (logs[:, 1] - logs[:, 0]).exp()
@@ -129,10 +141,7 @@ def main(argv=None) -> int:
                   "|---|---|---|---|---|---|", *direction_rows(big, small), ""]
         print("\n".join(lines[-30:]), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.relpath(args.out)}")
-    return 0
+    return write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from bench import pareto_report as report  # noqa: E402
 from bench import pareto_workload as pw
+from bench.forecast_signals import write_report  # noqa: E402
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 
@@ -133,10 +134,7 @@ def main(argv=None) -> int:
             lines.append(f"| {v} | " + " | ".join(cells)
                          + f" | {sum(report.both_met(d, r) for _, d, r in res)} |")
             print(lines[-1], flush=True)
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.relpath(args.out)}")
-    return 0
+    return write_report(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ gate sees them, so the same decisions come out on JAX, torch and every rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 COMPUTE = "compute"
 SKIP = "skip"
@@ -151,3 +151,33 @@ def threshold_vote(threshold: float, accum: float, rel: float, rescaled: float,
 def relative_change(current: float, previous: float, eps: float) -> float:
     """|current - previous| / (|previous| + eps): the relative L1 change of a scalar signature."""
     return abs(current - previous) / (abs(previous) + eps)
+
+
+@dataclass(frozen=True)
+class SignatureState:
+    """What a gate on a scalar signature keeps between calls (TeaCache, FBCache)."""
+
+    prev_sig: float | None = None
+    accum: float = 0.0
+    ema_rel: float | None = None
+
+
+StateT = TypeVar("StateT", bound=SignatureState)
+
+
+def signature_change(state: StateT, signature: float | None,
+                     eps: float) -> tuple[float | None, StateT, bool]:
+    """Signature -> (rel or None when there is no previous signature, new state, invalid); a
+    non-finite signature invalidates the state (a fresh one)."""
+    if not is_finite(signature):
+        return None, type(state)(), True
+    if state.prev_sig is None:
+        return None, replace(state, prev_sig=signature), False
+    return relative_change(signature, state.prev_sig, eps), replace(state, prev_sig=signature), False
+
+
+def smooth(rel: float, previous: float | None, ema: float) -> float:
+    """Exponential smoothing of rel against the previous smoothed value (ema 0 = off)."""
+    if previous is not None and ema > 0:
+        return ema * previous + (1.0 - ema) * rel
+    return rel

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .decision import Reason, Vote, is_finite, relative_change, threshold_vote
+from .decision import Reason, SignatureState, Vote, is_finite, signature_change, smooth, threshold_vote
 from .validate import ConfigError, check_choice, check_float, check_int
 
 MODE = "fb"
@@ -66,10 +66,8 @@ class FBCacheConfig:
 
 
 @dataclass(frozen=True)
-class FBCacheState:
-    prev_sig: float | None = None
-    accum: float = 0.0
-    ema_rel: float | None = None
+class FBCacheState(SignatureState):
+    """Nothing beyond what every signature gate keeps."""
 
 
 State = FBCacheState
@@ -81,19 +79,14 @@ def measure(config: FBCacheConfig, state: FBCacheState, value: float | None):
         if value is None:  # the backend had no reference residual to compare with
             return None, state, False
         return (value, state, False) if is_finite(value) and value >= 0 else (None, FBCacheState(), True)
-    if not is_finite(value):
-        return None, FBCacheState(), True
-    if state.prev_sig is None:
-        return None, replace(state, prev_sig=value), False
-    return relative_change(value, state.prev_sig, EPS), replace(state, prev_sig=value), False
+    return signature_change(state, value, EPS)
 
 
 def judge(config: FBCacheConfig, state: FBCacheState, rel: float | None, ctx):
     """rel -> (Vote, new state); (None, reset state) when the value is not finite."""
     if rel is None:
         return Vote(False, Reason.NO_REFERENCE), state
-    if state.ema_rel is not None and config.ema > 0:
-        rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
+    rel = smooth(rel, state.ema_rel, config.ema)
     if not is_finite(rel):
         return None, FBCacheState()
     # CMConfig.step_weight: the step's size over the mean step (1 when off, x * 1.0 == x)

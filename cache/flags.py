@@ -19,7 +19,7 @@ from .magcache import make as make_magcache
 from .preset import PRESETS, TECHNIQUE_KEYS, load_preset
 from .teacache import LINEAR_THRESHOLD, TeaCacheConfig
 from .teacache_profiles import PROFILES, SIGNALS
-from .validate import ConfigError
+from .validate import ConfigError, present
 
 CACHE_TYPES = ("deepcache", "teacache", "fbcache", "magcache")
 
@@ -158,22 +158,20 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--forecast", "--teacache_forecast", dest="forecast", type=int, choices=(0, 1, 2),
                    help="on reuse, extrapolate the residual from the last 2 (1) or 3 (2) computed "
                         "ones " + d(CMConfig, "forecast"))
-    g.add_argument("--forecast_gate", type=_bool,
-                   help="with --forecast and --fb_metric residual_tensor_rel_l1: compare block 0's "
-                        "residual with its forecast, so reuse goes on while the forecast's error "
-                        "stays under --fb_thresh " + d(CMConfig, "forecast_gate"))
-    g.add_argument("--forecast_reach", type=float,
-                   help="forecast with order 2 only while the gap since the last compute is at "
-                        "most this many times the spacing of the last two, else linearly "
-                        + d(CMConfig, "forecast_reach"))
-    g.add_argument("--remodulate", type=_bool,
-                   help="keep the middle's residual split by the time gates its blocks share and "
-                        "rebuild it on reuse with the step's own gates (Wan2.2 family; 3 tensors "
-                        "a branch instead of 1) " + d(CMConfig, "remodulate"))
-    g.add_argument("--step_weight", type=float,
-                   help="weigh FBCache's metric of each step by (step size / mean step size) to "
-                        "this power, so a late (large) step's error counts more; 0 = off "
-                        + d(CMConfig, "step_weight"))
+    def field_flag(name: str, kind, text: str) -> None:
+        """--<name> sets CMConfig.<name>; its help ends with the field's default."""
+        g.add_argument(f"--{name}", type=kind, help=f"{text} {d(CMConfig, name)}")
+
+    field_flag("forecast_gate", _bool, "with --forecast and --fb_metric residual_tensor_rel_l1: compare "
+               "block 0's residual with its forecast, so reuse goes on while the forecast's error "
+               "stays under --fb_thresh")
+    field_flag("forecast_reach", float, "forecast with order 2 only while the gap since the last compute "
+               "is at most this many times the spacing of the last two, else linearly")
+    field_flag("remodulate", _bool, "keep the middle's residual split by the time gates its blocks share "
+               "and rebuild it on reuse with the step's own gates (Wan2.2 family; 3 tensors a branch "
+               "instead of 1)")
+    field_flag("step_weight", float, "weigh FBCache's metric of each step by (step size / mean step size) "
+               "to this power, so a late (large) step's error counts more; 0 = off")
     g.add_argument("--scene_guard", "--teacache_scene_guard", dest="scene_guard", type=float,
                    help="compute when the latent's relative L1 change since the last step exceeds "
                         "this " + d(CMConfig, "scene_guard") + "; 0 = off")
@@ -285,10 +283,7 @@ def _check_shape(fields) -> None:
     if not isinstance(fields, dict):
         raise ConfigError(f"a configuration is an object of CMConfig fields, got "
                           f"{type(fields).__name__} {fields!r:.60}")
-    for key, cls in SECTIONS.items():
-        if key not in fields:
-            continue
-        value = fields[key]
+    for key, cls, value in present(SECTIONS, fields):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} {value!r:.60}: expected an object of {cls.__name__} fields")
         known = {f.name for f in dataclasses.fields(cls)}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Callable
 
-from .decision import Note, Reason, Vote, is_finite, relative_change, threshold_vote
+from .decision import Note, Reason, SignatureState, Vote, is_finite, signature_change, smooth, threshold_vote
 from .teacache_profiles import MODULATED_INPUT, PROFILES, SIGNALS, ProfileError, resolve_profile
 from .validate import ConfigError, check_choice, check_float, check_int
 
@@ -121,10 +121,7 @@ class TeaCacheConfig:
 
 
 @dataclass(frozen=True)
-class TeaCacheState:
-    prev_sig: float | None = None
-    accum: float = 0.0
-    ema_rel: float | None = None
+class TeaCacheState(SignatureState):
     seen_sum: float = 0.0  # rescaled changes measured in this phase, and how many (relative mode)
     seen: int = 0
 
@@ -134,19 +131,14 @@ State = TeaCacheState
 
 def measure(config: TeaCacheConfig, state: TeaCacheState, signature: float | None):
     """Signature -> (rel or None when there is no previous signature, new state, invalid)."""
-    if not is_finite(signature):
-        return None, TeaCacheState(), True
-    if state.prev_sig is None:
-        return None, replace(state, prev_sig=signature), False
-    return relative_change(signature, state.prev_sig, EPS), replace(state, prev_sig=signature), False
+    return signature_change(state, signature, EPS)
 
 
 def judge(config: TeaCacheConfig, state: TeaCacheState, rel: float | None, ctx):
     """rel -> (Vote, new state). A None rel means there is nothing to compare with yet."""
     if rel is None:
         return Vote(False, Reason.NO_REFERENCE), state
-    if state.ema_rel is not None and config.ema > 0:
-        rel = config.ema * state.ema_rel + (1.0 - config.ema) * rel
+    rel = smooth(rel, state.ema_rel, config.ema)
     raw = config.rescale(rel, ctx.expert)
     if not is_finite(raw):
         return None, TeaCacheState()

@@ -157,31 +157,28 @@ def resolve_profile(name: str) -> PolyProfile | None:
 _TEA = "ali-vilab/TeaCache TeaCache4Wan2.1/teacache_generate.py"
 _LX = "ModelTC/LightX2V configs"
 
+
+def _tea_wan21(model: str, threshold: float, e0: tuple[float, ...],
+               e: tuple[float, ...]) -> dict[str, PolyProfile]:
+    """TeaCache4Wan2.1 fits each model twice at one threshold: on `e0` (use_ret_steps, which
+    computes the first 5 steps) and on `e`."""
+    return {f"wan2.1-{model}-e0": PolyProfile(e0, TIME_PROJECTION, threshold, 5, _TEA),
+            f"wan2.1-{model}-e": PolyProfile(e, TIME_EMBEDDING, threshold, 1, _TEA)}
+
+
 PROFILES: dict[str, PolyProfile] = {
-    "wan2.1-t2v-1.3b-e0": PolyProfile(
-        (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
-        TIME_PROJECTION, 0.08, 5, _TEA),
-    "wan2.1-t2v-1.3b-e": PolyProfile(
-        (2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01),
-        TIME_EMBEDDING, 0.08, 1, _TEA),
-    "wan2.1-t2v-14b-e0": PolyProfile(
-        (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
-        TIME_PROJECTION, 0.2, 5, _TEA),
-    "wan2.1-t2v-14b-e": PolyProfile(
-        (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404),
-        TIME_EMBEDDING, 0.2, 1, _TEA),
-    "wan2.1-i2v-14b-480p-e0": PolyProfile(
-        (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
-        TIME_PROJECTION, 0.26, 5, _TEA),
-    "wan2.1-i2v-14b-480p-e": PolyProfile(
-        (-3.02331670e02, 2.23948934e02, -5.25463970e01, 5.87348440e00, -2.01973289e-01),
-        TIME_EMBEDDING, 0.26, 1, _TEA),
-    "wan2.1-i2v-14b-720p-e0": PolyProfile(
-        (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
-        TIME_PROJECTION, 0.3, 5, _TEA),
-    "wan2.1-i2v-14b-720p-e": PolyProfile(
-        (-114.36346466, 65.26524496, -18.82220707, 4.91518089, -0.23412683),
-        TIME_EMBEDDING, 0.3, 1, _TEA),
+    **_tea_wan21("t2v-1.3b", 0.08,
+                 (-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
+                 (2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01)),
+    **_tea_wan21("t2v-14b", 0.2,
+                 (-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+                 (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404)),
+    **_tea_wan21("i2v-14b-480p", 0.26,
+                 (2.57151496e05, -3.54229917e04, 1.40286849e03, -1.35890334e01, 1.32517977e-01),
+                 (-3.02331670e02, 2.23948934e02, -5.25463970e01, 5.87348440e00, -2.01973289e-01)),
+    **_tea_wan21("i2v-14b-720p", 0.3,
+                 (8.10705460e03, 2.13393892e03, -3.72934672e02, 1.66203073e01, -4.17769401e-02),
+                 (-114.36346466, 65.26524496, -18.82220707, 4.91518089, -0.23412683)),
     "wan2.2-ti2v-5b-720p-e": PolyProfile(
         (1.57472669e05, -1.15702395e05, 3.10761669e04, -3.83116651e03, 2.21608777e02,
          -4.81179567e00),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator, Mapping
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,12 @@ def check_float(owner: str, name: str, value, *, minimum: float = 0.0, below: fl
 def check_choice(owner: str, name: str, value, choices):
     if value not in choices:
         _refuse(owner, name, value, f"one of {', '.join(map(repr, choices))}")
+
+
+def present(expected: Mapping, given: Mapping) -> Iterator[tuple]:
+    """(key, expected[key], given[key]) for each key of `expected` that `given` holds, in
+    `expected`'s order: what a check of `given` against a table of expected entries reads."""
+    return ((key, entry, given[key]) for key, entry in expected.items() if key in given)
 
 
 # --- values read from data files (calibrated profiles) -------------------------------------------

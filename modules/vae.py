@@ -393,7 +393,8 @@ _OFFICIAL_MARKERS = {"AutoencoderKLWan": "decoder.middle.0.residual.0.gamma",
                      "AutoencoderKLHunyuanVideo15": "decoder.mid.block_1.norm1.gamma"}
 
 
-def _rename(state, rules):
+def rename_keys(state: dict, rules: list[tuple[str, str]]) -> dict:
+    """The state dict with every (pattern, replacement) rule applied to each key, in order."""
     out = {}
     for key, value in state.items():
         for pattern, repl in rules:
@@ -413,7 +414,7 @@ def to_diffusers_keys(spec: VaeSpec, state: dict, source: str = "checkpoint") ->
     if spec.name == "wan2.1-vae":
         from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
         return convert_wan_vae_to_diffusers(state)
-    return _rename(state, _WAN22_RENAMES if spec.name == "wan2.2-vae" else _HY_RENAMES)
+    return rename_keys(state, _WAN22_RENAMES if spec.name == "wan2.2-vae" else _HY_RENAMES)
 
 
 # --- latents in, video out ----------------------------------------------------------------------

@@ -32,8 +32,16 @@ from modules.layers import (
 )
 
 
+@dataclass(frozen=True, kw_only=True)
 class WanDims:
-    """What every Wan2.2 DiT config shares: its heads and their RoPE split."""
+    """What every Wan2.2 DiT config shares: patch, text and RoPE settings, the heads' RoPE split."""
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_len: int = 512
+    text_dim: int = 4096
+    freq_dim: int = 256
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
 
     def _check_dims(self):
         if self.dim % self.num_heads:
@@ -61,12 +69,6 @@ class WanConfig(WanDims):
     in_dim: int
     out_dim: int
     model_type: str  # "ti2v" (per-token timesteps) or "i2v" (channel-concat conditioning)
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    text_len: int = 512
-    text_dim: int = 4096
-    freq_dim: int = 256
-    eps: float = 1e-6
-    rope_theta: float = 10000.0
 
     def __post_init__(self):
         if self.model_type not in ("ti2v", "i2v", "t2v"):

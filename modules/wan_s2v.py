@@ -66,12 +66,6 @@ class WanS2VConfig(WanDims):
     num_audio_token: int = 4  # audio tokens per latent frame (plus one learned padding token)
     motion_frames: int = 73  # pixel frames of motion history (19 latent frames)
     zero_timestep: bool = True  # reference and motion tokens modulated by t = 0
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    text_len: int = 512
-    text_dim: int = 4096
-    freq_dim: int = 256
-    eps: float = 1e-6
-    rope_theta: float = 10000.0
 
     def __post_init__(self):
         self._check_dims()

@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from cache.validate import FieldError, read_json
+from cache.validate import FieldError, present, read_json
 
 from .journal import (
     FILE_MODE,
@@ -124,10 +124,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, Tenso
     if missing:
         raise StageFileError(f"{source} lacks {', '.join(missing)}; expected keys "
                              f"{', '.join(specs)}")
-    for key, spec in specs.items():
-        if key not in tensors:
-            continue
-        t = tensors[key]
+    for key, spec, t in present(specs, tensors):
         shape = tuple(t.shape)
         if len(shape) != len(spec.shape) or any(w is not None and w != n
                                                 for w, n in zip(spec.shape, shape, strict=False)):

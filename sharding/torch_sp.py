@@ -290,18 +290,20 @@ def make_groups(sp_size: int, cfg_size: int):
     Every rank creates every group, in the same order (dist.new_group is collective)."""
     rank, sp_group, cfg_group = dist.get_rank(), None, None
     if sp_size > 1:
-        for c in range(cfg_size):
-            ranks = [c * sp_size + s for s in range(sp_size)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                sp_group = group
+        sp_group = _new_groups([[c * sp_size + s for s in range(sp_size)] for c in range(cfg_size)], rank)
     if cfg_size > 1:
-        for s in range(sp_size):
-            ranks = [c * sp_size + s for c in range(cfg_size)]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                cfg_group = group
+        cfg_group = _new_groups([[c * sp_size + s for c in range(cfg_size)] for s in range(sp_size)], rank)
     return sp_group, cfg_group
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int):
+    """Create a group of each rank list, in order; the one that holds `rank`."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def _device_for(local_rank: int, kind: str | None) -> torch.device:

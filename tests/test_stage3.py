@@ -17,7 +17,16 @@ import pytest
 import torch
 
 from commands.stage3 import TINY_VAE_SEED, to_frames
-from modules.vae import VAES, VaeError, build_tiny, load_vae, spec_for, to_diffusers_keys, to_vae_latents
+from modules.vae import (
+    VAES,
+    VaeError,
+    build_tiny,
+    load_vae,
+    rename_keys,
+    spec_for,
+    to_diffusers_keys,
+    to_vae_latents,
+)
 from sampling.pipelines import get_pipeline
 from sampling.stage_io import CONFIG, LATENTS, VIDEO, write_stage2
 from stage3_vae_decode import main
@@ -240,6 +249,13 @@ def test_a_diffusers_folder_loads_the_same_weights(tmp_path, capsys):
     assert "hunyuanvideo-1.5-vae (" + str(tmp_path / "vae") in capsys.readouterr().out
 
 
+def _hy_levels_to_official(side: str) -> list[tuple[str, str]]:
+    """HunyuanVideo-1.5's official layout names the encoder's levels ("down") and the
+    decoder's ("up") alike."""
+    return [(rf"\.{side}_blocks\.(\d+)\.resnets\.(\d+)\.", rf".{side}.\1.block.\2."),
+            (rf"\.{side}_blocks\.(\d+)\.{side}samplers\.0\.", rf".{side}.\1.{side}sample.")]
+
+
 # diffusers -> official names, written from the official module layouts (the inverse of what
 # modules.vae converts), to check the conversion on every key of a model.
 _TO_OFFICIAL = {
@@ -255,10 +271,7 @@ _TO_OFFICIAL = {
         (r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r"encoder.downsamples.\1.downsamples.\2."),
         (r"^encoder\.down_blocks\.(\d+)\.downsampler\.", r"encoder.downsamples.\1.downsamples.2.")],
     "hunyuanvideo-1.5-vae": [
-        (r"\.down_blocks\.(\d+)\.resnets\.(\d+)\.", r".down.\1.block.\2."),
-        (r"\.down_blocks\.(\d+)\.downsamplers\.0\.", r".down.\1.downsample."),
-        (r"\.up_blocks\.(\d+)\.resnets\.(\d+)\.", r".up.\1.block.\2."),
-        (r"\.up_blocks\.(\d+)\.upsamplers\.0\.", r".up.\1.upsample."),
+        *_hy_levels_to_official("down"), *_hy_levels_to_official("up"),
         (r"\.mid_block\.resnets\.0\.", ".mid.block_1."), (r"\.mid_block\.resnets\.1\.", ".mid.block_2."),
         (r"\.mid_block\.attentions\.0\.to_(q|k|v)\.", r".mid.attn_1.\1."),
         (r"\.mid_block\.attentions\.0\.", ".mid.attn_1.")],
@@ -266,12 +279,7 @@ _TO_OFFICIAL = {
 
 
 def _official(state, spec):
-    out = {}
-    for key, value in state.items():
-        for pattern, repl in _TO_OFFICIAL[spec.name]:
-            key = re.sub(pattern, repl, key)
-        out[key] = value
-    return out
+    return rename_keys(state, _TO_OFFICIAL[spec.name])
 
 
 @pytest.mark.parametrize("name", sorted(_TO_OFFICIAL))

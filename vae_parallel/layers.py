@@ -155,26 +155,35 @@ def _classify_upsample(name, m):
 
 # --- rules: install returns the undo ------------------------------------------------------------
 
-def _install_conv(layer, comm, mode):
-    m, halo = layer.module, layer.halo
-    saved = (m.padding, m._reversed_padding_repeated_twice)
-    m.padding = tuple(m.padding[:-2]) + (0, 0)
-    m._reversed_padding_repeated_twice = [0, 0, 0, 0] + list(saved[1][4:])  # (w, w, h, h, t, t)
-    border = "zeros" if m.padding_mode == "zeros" else "replicate"
-    handle = m.register_forward_pre_hook(
-        lambda _, args: (comm.halo(args[0], halo, halo, halo, halo, border), *args[1:]))
+def _hooked(m, padding: dict, hook, *, with_kwargs: bool = False):
+    """Set the padding attributes to their new values and register the forward pre-hook that
+    exchanges the halo instead; the undo removes the hook and restores the attributes."""
+    saved = {name: getattr(m, name) for name in padding}
+    for name, value in padding.items():
+        setattr(m, name, value)
+    handle = m.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
 
     def undo():
         handle.remove()
-        m.padding, m._reversed_padding_repeated_twice = saved
+        for name, value in saved.items():
+            setattr(m, name, value)
     return undo
+
+
+def _install_conv(layer, comm, mode):
+    m, halo = layer.module, layer.halo
+    reversed_padding = m._reversed_padding_repeated_twice  # (w, w, h, h, t, t)
+    border = "zeros" if m.padding_mode == "zeros" else "replicate"
+    padding = {"padding": tuple(m.padding[:-2]) + (0, 0),
+               "_reversed_padding_repeated_twice": [0, 0, 0, 0] + list(reversed_padding[4:])}
+    return _hooked(m, padding,
+                   lambda _, args: (comm.halo(args[0], halo, halo, halo, halo, border), *args[1:]))
 
 
 def _install_wan_causal_conv(layer, comm, mode):
     m = layer.module
     saved = m._padding
     w0, w1, h0, h1 = saved[:4]
-    m._padding = (0, 0, 0, 0, *saved[4:])
 
     def pre_hook(_, args, kwargs):
         x, rest = args[0], args[1:]
@@ -192,27 +201,16 @@ def _install_wan_causal_conv(layer, comm, mode):
             kwargs = {**kwargs, "cache_x": cache}
         return (x,), kwargs
 
-    handle = m.register_forward_pre_hook(pre_hook, with_kwargs=True)
-
-    def undo():
-        handle.remove()
-        m._padding = saved
-    return undo
+    return _hooked(m, {"_padding": (0, 0, 0, 0, *saved[4:])}, pre_hook, with_kwargs=True)
 
 
 def _install_hy_causal_conv(layer, comm, mode):
     m = layer.module
     saved = m.time_causal_padding
     w0, w1, h0, h1 = saved[:4]
-    m.time_causal_padding = (0, 0, 0, 0, *saved[4:])
     border = "replicate" if m.pad_mode == "replicate" else "zeros"
-    handle = m.register_forward_pre_hook(
-        lambda _, args: (comm.halo(args[0], h0, h1, w0, w1, border), *args[1:]))
-
-    def undo():
-        handle.remove()
-        m.time_causal_padding = saved
-    return undo
+    return _hooked(m, {"time_causal_padding": (0, 0, 0, 0, *saved[4:])},
+                   lambda _, args: (comm.halo(args[0], h0, h1, w0, w1, border), *args[1:]))
 
 
 def _install_group_norm(layer, comm, mode):
