@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.fixtures.videos import COLORS, DIRECTIONS, SHAPES  # noqa: E402
+from cache.config import TECHNIQUES  # noqa: E402
 from commands.generate import DECODE, DONE, ENCODE, SAMPLE  # noqa: E402
 from sampling.stage_io import VIDEO  # noqa: E402
 
@@ -132,9 +133,17 @@ def plot(whole: dict, path: str) -> None:
     b.set_ylabel("s per prompt")
     b.set_xlabel("prompt")
     b.set_yscale("log")
-    fig.suptitle("generate.py --prompts, wan-tiny-trained, --enable_cache")
+    fig.suptitle(f"generate.py --prompts, {whole['report']['model']}, --enable_cache")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _sampling(stage2: dict) -> str:
+    """How the first prompt was sampled, as its stage-2 report says: steps, solver, CFG, caching."""
+    used = ["CFG"] * (len(stage2["branches"]) > 1)  # a cond and an uncond branch
+    used += [TECHNIQUES[m][2].__name__.removesuffix("Config") for m in stage2["cache"]["modes"]]
+    how = f"with {' and '.join(used)}" if used else "without CFG or caching"
+    return f"{stage2['steps']} `{stage2['solver']}` steps {how}"
 
 
 def page(n: int, seed: int, whole: dict, killed: dict, identical: bool, png: str) -> str:
@@ -150,9 +159,9 @@ def page(n: int, seed: int, whole: dict, killed: dict, identical: bool, png: str
     return "\n".join([
         "# Long prompt batches",
         "",
-        f"`python bench/batch.py --prompts {n} --seed {seed}` on this machine (2 CPU cores, "
-        "built-in `wan-tiny-trained`, `generate.py --prompts FILE --enable_cache` as a subprocess, "
-        "50 UniPC steps with CFG and DeepCache, one folder per prompt).",
+        f"`python bench/batch.py --prompts {n} --seed {seed}` on this machine ({os.cpu_count()} CPU "
+        f"cores, built-in `{report['model']}`, `generate.py --prompts FILE --enable_cache` as a "
+        f"subprocess, {_sampling(stage2[0])}, one folder per prompt).",
         "",
         "## One uninterrupted run",
         "",

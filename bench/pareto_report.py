@@ -9,6 +9,7 @@ import math
 import os
 import platform
 import re
+import textwrap
 
 import torch
 
@@ -297,9 +298,9 @@ def machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
-def versions() -> str:
+def versions(names=("diffusers", "cache_dit")) -> str:
     out = []
-    for name in ("diffusers", "cache_dit"):
+    for name in names:
         try:
             module = __import__(name)
             out.append(f"{name.replace('_', '-')} {module.__version__}")
@@ -308,13 +309,16 @@ def versions() -> str:
     return ", ".join(out)
 
 
-NOT_REGISTERED = (
-    "diffusers' FirstBlockCache, MagCache and SeaCache hooks look each block's class up in "
-    "`TransformerBlockRegistry` (diffusers/hooks/_helpers.py); diffusers 0.42.1 registers "
-    "`WanTransformerBlock` and the HunyuanVideo 1.0 blocks but not "
-    "`HunyuanVideo15TransformerBlock`, so `enable_cache` raises on HunyuanVideo-1.5. Its "
-    "TaylorSeer hook selects modules by name and runs; cache-dit ships a HunyuanVideo-1.5 "
-    "adapter and runs.")
+def not_registered() -> str:
+    """Why diffusers' hooks refuse HunyuanVideo-1.5, naming the installed diffusers (the one that
+    raised in this run)."""
+    return ("diffusers' FirstBlockCache, MagCache and SeaCache hooks look each block's class up in "
+            f"`TransformerBlockRegistry` (diffusers/hooks/_helpers.py); {versions(('diffusers',))} "
+            "registers `WanTransformerBlock` and the HunyuanVideo 1.0 blocks but not "
+            "`HunyuanVideo15TransformerBlock`, so `enable_cache` raises on HunyuanVideo-1.5. Its "
+            "TaylorSeer hook selects modules by name and runs; cache-dit ships a HunyuanVideo-1.5 "
+            "adapter and runs.")
+
 
 NOTES = """\
 - Check of the harness: ours FBCache without a forecast takes the same decisions as diffusers'
@@ -460,10 +464,18 @@ TRAINED_NOTES = """\
   1/s (bench/results/static_schedules.md). A static schedule reads nothing from the device.
 - Every figure above is printed by this run; the standing tables name, for each best-peer
   point, which of our settings the comparison used.
-- Caveats: 12 prompts (one prompt is 8 points of accuracy), 6- and 4-block models of 64
-  tokens; CPU seconds of a tiny model are mostly per-call overhead, so the computed fraction is
-  the figure to compare.
 """
+
+
+def trained_caveats(fams, facts, follow: int) -> str:
+    """The trained regime's caveats bullet, from this run's prompt count and models."""
+    prompts = (f"{follow} prompts (one prompt is {100 / follow:.0f} points of accuracy)" if follow
+               else "one draw (prompt following not measured)")
+    models = "; ".join(f"{fam.title}: {facts[fam.key]['blocks']} blocks of "
+                       f"{facts[fam.key]['tokens']} tokens" for fam in fams)
+    text = (f"- Caveats: {prompts}; tiny models ({models}); CPU seconds of a tiny model are "
+            "mostly per-call overhead, so the computed fraction is the figure to compare.")
+    return textwrap.fill(text, 96, subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
 
 FRONT_DB = 1.0  # issue 17: budgeted mode's points lie within this of our front
@@ -602,7 +614,7 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
         lines += [f"- {names[r['family']]}: {r['method']}: {r['status'][len('not run: '):]}"
                   for r in not_run]
         if any("not registered" in r["status"] for r in not_run):
-            lines += ["", NOT_REGISTERED]
+            lines += ["", not_registered()]
     if have_plot:
         lines += ["", "![PSNR against computed fraction (top) and the loop's CPU seconds (bottom)]"
                       "(pareto.png)"]
@@ -615,7 +627,9 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
             lines += ["", "### Prompt following against computed fraction", ""]
             lines += follow_standing(rows, fam.key, args.follow)[0]
             lines += ["", "![prompt following against computed fraction](follow.png)"]
-    lines += ["", "## Reading it", "", TRAINED_NOTES if args.weights == "trained" else NOTES]
+    reading = (TRAINED_NOTES + trained_caveats(fams, facts, args.follow) if args.weights == "trained"
+               else NOTES)
+    lines += ["", "## Reading it", "", reading]
     for fam in fams:
         lines += [f"## Table: {fam.title}", ""] + table(rows, fam.key) + [""]
     lines += ["Settings: " + "; ".join(f"{k}: {v}" for k, v in facts[fams[0].key]["about"].items()

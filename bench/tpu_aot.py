@@ -2,30 +2,35 @@
 bench/results/tpu_aot.md.
 
     pip install "jax[tpu]==0.10.2"       # libtpu: the compiler (in requirements-dev.txt)
-    python bench/tpu_aot.py [--only ROW[,ROW...]] [--rerun]
+    python bench/tpu_aot.py [--only ROW[,ROW...]] [--rerun] [--decode_only] [--page_only]
 
 Each row is one `python -m tpu.aot` run (one at a time: a real-size compile takes minutes and a
 few GB), its report kept as JSON under bench/results/tpu_aot/ and reused unless --rerun, so the
-table can be rebuilt or extended without compiling again. Per row: whether the whole run fits the
-chip's HBM and the memory per chip, compile seconds on this machine, TFLOP per step and roofline
-seconds per step (caching off, and with the cache schedule), beside the anchor's measured
-HunyuanVideo-1.5 figures on v6e-8 (tpu_notes 1.8): 7.29 s/step (stock splash), 5.81 s/step
-(exp2 kernel), DeepCache about 1.8x.
+table can be rebuilt or extended without compiling again (--page_only: from the reports alone).
+Per row: whether the whole run fits the chip's HBM and the memory per chip, compile seconds on
+this machine, TFLOP per step and roofline seconds per step (caching off, and with the cache
+schedule), beside the anchor's published HunyuanVideo-1.5 figures on v6e-8 (ANCHOR). Every
+figure of the page is printed from the reports, or is the anchor's.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from tpu.attention import BLOCK_Q, BLOCKS_BY_KIND  # noqa: E402
 from tpu.vae_aot import dtype_label, strips_label  # noqa: E402  (decode cells, as it prints them)
+from tpu.vae_strips import MIN_STRIPS  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "tpu_aot"
 BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a scan
@@ -73,46 +78,64 @@ DECODE_TRAFFIC = (
     "program and sum in fp32 (`tpu.vae.conv_operand_dtype`): what the TPU's DEFAULT precision "
     "does to an fp32 convolution anyway, stated where the operands are made, so the weights, the "
     "carried caches and every convolution's input move half the bytes (\"conv operands bf16\" in "
-    "the decode cell). And each chip's band of the frame runs as a batch of at least 8 strips "
-    "(`tpu.vae.strip_grid`; the cell says the grid): of a convolution with a batch under 8, "
-    "libtpu's space-to-batch pass makes 8 batches of the frame's width, so every convolution's "
-    "input was padded and relaid out into them and its fp32 output copied back for the norm that "
-    "reads it (27% of the TI2V-5B decode's HBM traffic). Batches of 4 are still cut, of 8 not; "
-    "turning the pass off by flags instead cut one convolution's traffic by two thirds but its "
-    "compile from 28 to 378 s, and the whole decode did not compile in 43 minutes. Each strip's "
-    "zero padding is its halo, gathered by strip index from the neighbours' border lines "
-    "(collective-permutes of those lines between chips) and written with the strip once; the "
-    "upsamplers' 3x3 convolutions run as 1x3x3 3-D ones without folding the frames into the "
-    "batch, and Wan2.2's shortcut upsampler repeats pixels instead of transposing its output. "
-    "The TI2V-5B fp32 decode on v6e-8, per steady call per chip (`python -m tpu.vae_aot --model "
-    "wan2.2-ti2v-5b --topology v6e:2x4 --hlo_dir D`, then `python -m tpu.hbm D/steady.txt`), GB "
-    "accessed / GB of HBM traffic: 45.0 / 30.4 with fp32 operands, 40.2 / 23.8 with bf16 ones, "
-    "36.0 / 18.6 as 4 x 2 strips a chip, 31.9 / 16.0 with the upsamplers reformulated, 25.3 / "
-    "9.3 with the halo gathered from border lines (its first form split the batch axis into the "
-    "strip grid, and XLA relaid the strips out several times a convolution; the other Wan rows "
-    "were compiled with an equivalent form of the halo that measured 25.3 / 9.2 here): 15.4 ms "
-    "a call by bytes "
-    "accessed, 9.1 ms by traffic, where the 8.35 TFLOP of the call bound it. The whole decode "
-    "went from 0.75 s to 0.47 s (13.6% to 8.6% of the stage-2 run) by bytes accessed and 0.44 s "
-    "to 0.28 s (11.3% to 7.1%) by traffic, 289 to 253 TFLOP (the width is no longer padded to "
-    "8 x 11 columns), 3.25 to 2.69 GiB per chip, and its compile from 748 to 363 s. The A14B "
-    "decode (9 x 1 strips) went from 0.69 / 0.42 s to 0.61 / 0.22 s, with 3.5 GiB of "
-    "temporaries per chip instead of 1.5. Two latent frames per steady call (`--frames_per_call "
-    "2`, measured before the halo's last form): 25.6 GB accessed a frame against 31.9, but 18.5 "
-    "GB of traffic against 16.0, so one stays the default. Whether a TPU runs these programs as "
-    "the roofline says, and whether its numbers equal the fp32 program's, stay to be measured "
-    "on a slice.")
+    f"the decode cell). And each chip's band of the frame runs as a batch of at least {MIN_STRIPS} "
+    "strips (`tpu.vae.strip_grid`; the cell says the grid): of a convolution with a smaller batch, "
+    f"libtpu's space-to-batch pass makes {MIN_STRIPS} batches of the frame's width, so every "
+    "convolution's input was padded and relaid out into them and its fp32 output copied back for "
+    "the norm that reads it. Turning the pass off by flags instead cut one convolution's traffic "
+    "but slowed its compile many times over, and the whole decode did not finish compiling. Each "
+    "strip's zero padding is its halo, gathered by strip index from the neighbours' border lines "
+    "(collective-permutes of those lines between chips) and written with the strip once (its "
+    "first form split the batch axis into the strip grid, and XLA relaid the strips out several "
+    "times a convolution; the other Wan rows were compiled with an equivalent earlier form of the "
+    "halo); the upsamplers' 3x3 convolutions run as 1x3x3 3-D ones without folding the frames into "
+    "the batch, and Wan2.2's shortcut upsampler repeats pixels instead of transposing its output. "
+    "Each of these cut the steady call's bytes accessed and its HBM traffic.")
+DECODE_FRAMES = (
+    "Two latent frames per steady call (`--frames_per_call 2`, measured before the halo's last "
+    "form) accessed fewer bytes a frame but moved more HBM traffic a frame, so one stays the "
+    "default. Whether a TPU runs these programs as the roofline says, and whether its numbers "
+    "equal the fp32 program's, stay to be measured on a slice.")
+# the decode rows the figures under the decode table are printed from
+DECODE_DETAIL, DECODE_SECOND = "vae-ti2v5b-v6e8", "vae-a14b-v6e8"
 CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
-V5_BLOCKS = ("v5e and v5p compile splash with 1024-row query blocks (tpu/attention.py "
-             "BLOCKS_BY_KIND): the stock 2048-row blocks ask 17.5 MiB (v5e) and 21.6 MiB (v5p) "
-             "of scoped VMEM in Wan2.2 TI2V-5B's middle, over the 16 MiB those chips give a kernel.")
 # reports compiled before tpu.aot read past the splash kernel's multi-line metadata (a line of it
 # starting `}},` ended the computation: every program's collectives after its first kernel were
 # dropped); drop a row from here once it is compiled again
 UNDERCOUNTED: dict[str, str] = {}  # every such report has been compiled again
+# Published figures of another project, not measured here: the anchor's own HunyuanVideo-1.5 runs on
+# a v6e-8 slice (gpu-tpu-pedia, tpu_notes 1.8), cited beside our roofline
 ANCHOR = ("HunyuanVideo-1.5 720p 121 frames on v6e-8, measured by the anchor (gpu-tpu-pedia, "
           "tpu_notes 1.8): 7.29 s/step with stock splash, 5.81 s/step with its exp2 kernel, "
           "DeepCache ~1.8x (1.83x measured at 49 frames)")
+# the day the `a -> b` rows and the Wan decode rows were compiled (the reports keep no date)
+COMPILED_ON = "2026-11-26"
+
+
+def v5_blocks() -> str:
+    """Why v5e and v5p get smaller splash blocks, from the block table tpu.attention compiles with."""
+    query = "/".join(str(q) for q in sorted({blocks[0] for blocks in BLOCKS_BY_KIND.values()}))
+    return (f"v5e and v5p compile splash with {query}-row query blocks (tpu/attention.py "
+            f"BLOCKS_BY_KIND): the stock {BLOCK_Q}-row blocks ask more scoped VMEM in Wan2.2 "
+            "TI2V-5B's middle than those chips give a kernel (libtpu's CompileTimeScopedVmemOom).")
+
+
+def _version(package: str) -> str:
+    """The installed version: the reports do not record the compiler they were compiled with."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _report(name: str, folder: Path = OUT) -> dict | None:
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _wrap(text: str) -> list[str]:
+    """A paragraph as the page's lines (names with hyphens kept whole)."""
+    return textwrap.wrap(text, 92, break_on_hyphens=False, break_long_words=False)
 
 
 def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
@@ -165,7 +188,7 @@ def _share(decode: float, stage2: float) -> str:
     return f"{frac:.1%} ({'met' if frac <= DECODE_SHARE else 'NOT met'})"
 
 
-def decode_lines(only, rerun: bool) -> list[str]:
+def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
     lines = [
         "## Stage 3: the VAE decode on the same slices",
         "",
@@ -191,26 +214,53 @@ def decode_lines(only, rerun: bool) -> list[str]:
     ]
     missing = []
     for name, row_args, stage2_name in DECODE_ROWS:
-        path = OUT / f"{name}.json"
-        if only is not None and name not in only:
-            if not path.exists():
-                missing.append(name)
-                continue
-            report = json.loads(path.read_text())
-        else:
-            report = run_row(name, row_args, rerun, "tpu.vae_aot")
-        s2 = OUT / f"{stage2_name}.json"
-        lines.append(decode_line(report, json.loads(s2.read_text()) if s2.exists() else None))
-    lines += ["", "Compile seconds: on this 2-core machine. The Wan rows were compiled on "
-              "2026-11-26 evening, as strips, two at a time (before, alone, the TI2V-5B v6e fp32 "
-              "and bf16 rows took 748 and 1093 s; 2573 and 5298 s beside other jobs before "
-              "that); the HunyuanVideo-1.5 v6e-8 row earlier beside other jobs (load average "
-              "5-8; that older report counts the encoder's weights too in GiB per chip), its "
-              "v5e-8 and v5p-4 rows that evening beside one other job.", "", DECODE_TRAFFIC]
+        report = _load_or_run(name, row_args, compiles(name), rerun, "tpu.vae_aot")
+        if report is None:
+            missing.append(name)
+            continue
+        lines.append(decode_line(report, _report(stage2_name)))
+    lines += ["", f"Compile seconds: on this {os.cpu_count()}-core machine. The Wan rows were compiled "
+              f"on {COMPILED_ON} evening, as strips, two at a time; the HunyuanVideo-1.5 v6e-8 row "
+              "earlier beside other jobs (that older report counts the encoder's weights too in GiB "
+              "per chip), its v5e-8 and v5p-4 rows that evening beside one other job.", "",
+              DECODE_TRAFFIC, *decode_figures(), "", DECODE_FRAMES]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--decode_only --only {','.join(missing)}` adds them."]
     return lines + [""]
+
+
+def _bound(program: dict) -> str:
+    return max(("compute", "hbm", "ici"), key=lambda k: program.get(k, 0))
+
+
+def decode_figures() -> list[str]:
+    """The detailed decode's steady call and the second decode's totals, from their reports (each
+    sentence only where its report is there)."""
+    out = []
+    r = _report(DECODE_DETAIL)
+    if r is not None and r.get("roofline_seconds_traffic") is not None:
+        st = r["programs"]["steady"]
+        why = {"compute": f"the call's {st['flops'] / 1e12:.2f} TFLOP", "hbm": "its HBM traffic",
+               "ici": "its collectives"}[_bound(st["traffic"])]
+        out.append(
+            f"The {r['model']} {r['dtype']} decode on {r['topology']}, per steady call per chip "
+            f"(`python -m tpu.vae_aot --model {r['model']} --topology {r['topology']} --hlo_dir D`, "
+            f"then `python -m tpu.hbm D/steady.txt`): {st['bytes_accessed'] / 1e9:.1f} GB accessed, "
+            f"{st['hbm_bytes'] / 1e9:.1f} GB of HBM traffic; {1e3 * st['roofline']:.1f} ms a call by "
+            f"bytes accessed, {1e3 * st['traffic']['roofline']:.1f} ms by traffic, where {why} bound "
+            f"it. The whole decode: {r['roofline_seconds']:.2f} s by bytes accessed, "
+            f"{r['roofline_seconds_traffic']:.2f} s by traffic, {r['memory']['total'] / GiB:.2f} GiB "
+            "per chip.")
+    r = _report(DECODE_SECOND)
+    if r is not None and r.get("roofline_seconds_traffic") is not None:
+        rows, cols = r.get("strips", (1, 1))
+        out.append(
+            f"The {r['model']} decode on {r['topology']} ({rows} x {cols} strips a band): "
+            f"{r['roofline_seconds']:.2f} / {r['roofline_seconds_traffic']:.2f} s by bytes accessed "
+            f"/ by traffic, with {r['programs']['steady']['temp_bytes'] / GiB:.1f} GiB of "
+            "temporaries per chip in its steady call.")
+    return ["", " ".join(out)] if out else []
 
 
 def _compile_cell(name: str, r: dict) -> str:
@@ -224,18 +274,22 @@ def _compile_cell(name: str, r: dict) -> str:
     return f"{fmt(json.loads(before.read_text()))} -> {fmt(r)}"
 
 
+def _flops_step(r: dict) -> float:
+    """TFLOP per step per chip: probe, middle and tail once per branch."""
+    return sum(p["flops"] for n, p in r["programs"].items() if n in ("probe", "middle", "tail")) \
+        * r["schedule"]["branches_per_step"] / 1e12
+
+
 def row_line(name: str, args: str, r: dict) -> str:
     m, s, sch = r["memory"], r["seconds"], r["schedule"]
     chip = r["chip"]
-    flops_step = sum(p["flops"] for n, p in r["programs"].items() if n in ("probe", "middle", "tail")) \
-        * sch["branches_per_step"] / 1e12
     weights = r["weight_sharding"] + (" (1 expert resident)" if r["swap_experts"] else "")
     verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
     return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB) "
             f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} "
             f"| {m['total'] / GiB:.1f} "
-            f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {flops_step:.0f} "
+            f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {_flops_step(r):.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
             f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) | {_traffic_cell(s.get('traffic'))} |")
 
@@ -246,28 +300,78 @@ def _traffic_cell(t: dict | None) -> str:
     return f"{t['step_uncached']:.2f} off, {t['step_cached']:.2f} cached ({t['speedup']:.2f}x)"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="compile only these rows (names, comma-separated); the others "
-                    "come from their reports if present")
-    ap.add_argument("--rerun", action="store_true", help="compile again even if a report exists")
-    ap.add_argument("--decode_only", action="store_true", help="compile no stage-2 row (the "
-                    "stage-3 rows named by --only, or all of them, still compile)")
-    args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    lines = [
+def _scan_pairs() -> list[tuple[str, dict, dict]]:
+    """(row, unrolled report, scanned report) of every row compiled both ways, in table order."""
+    pairs = [(name, _report(name, BEFORE), _report(name)) for name, _ in ROWS]
+    return [(name, a, b) for name, a, b in pairs if a is not None and b is not None]
+
+
+def _middle_bytes(r: dict) -> float:
+    return r["programs"]["middle"]["bytes_accessed"] / 1e9
+
+
+def scan_figures(pairs: list[tuple[str, dict, dict]]) -> str:
+    """What the scan changed, unrolled report against scanned one: the middle's compile seconds,
+    flops, HBM per chip, and the step of every row whose middle is HBM-bound."""
+    def mid(r):
+        return r["programs"]["middle"]["compile_seconds"]
+    compiles = ", ".join(f"{n} {mid(a):.1f} -> {mid(b):.1f} s ({mid(a) / mid(b):.1f}x)"
+                         for n, a, b in pairs)
+    flops = max(abs(_flops_step(b) / _flops_step(a) - 1) for _, a, b in pairs)
+    higher = [n for n, a, b in pairs if b["memory"]["total"] > a["memory"]["total"]]
+    n, a, b = max(pairs, key=lambda t: t[1]["memory"]["total"] - t[2]["memory"]["total"])
+    text = (f"Middle programs, unrolled -> scanned: {compiles}. Flops per step differ by at most "
+            f"{flops:.4%}; HBM per chip is "
+            + (f"higher scanned in {', '.join(higher)}" if higher else "equal or lower in every row")
+            + f" (the scan's temporaries are one block's: {n} {a['memory']['total'] / GiB:.1f} -> "
+            f"{b['memory']['total'] / GiB:.1f} GiB).")
+    bound = [(n, a, b) for n, a, b in pairs if _bound(b["programs"]["middle"]) == "hbm"]
+    if bound:
+        text += " Where the middle is HBM-bound, the scanned middle's bytes accessed set the step: " \
+            + "; ".join(f"{n} ({b['chips']} chip{'s' * (b['chips'] > 1)}, {b['weight_sharding']} weights) "
+                        f"{_middle_bytes(b):.0f} GB a call scanned against {_middle_bytes(a):.0f} GB "
+                        f"unrolled, {b['seconds']['step_uncached']:.2f} against "
+                        f"{a['seconds']['step_uncached']:.2f} s/step" for n, a, b in bound) + "."
+    return text
+
+
+def compile_paragraph() -> list[str]:
+    """The page's paragraph on compile seconds and the scan, its figures from the reports."""
+    text = ("Compile s: the whole run's programs, the middle program's in brackets. `a -> b`: a with "
+            "the middle stage's blocks unrolled (the reports kept under `tpu_aot/unrolled/`; `python "
+            "-m tpu.aot ... --unrolled` compiles that way), b with each run of identical blocks as one "
+            "`jax.lax.scan` (tpu/scan.py, the default). Costs of a loop count its body once per "
+            "iteration. Compile seconds depend on what else this shared machine runs: compare a "
+            "row's middle with its tail, which the scan does not change.")
+    pairs = _scan_pairs()
+    if pairs:
+        again = [n for n, _, b in pairs if b["seconds"].get("traffic") is not None]
+        text += (" The `a -> b` rows were compiled unrolled and then scanned, one after the other on "
+                 f"an otherwise idle machine ({COMPILED_ON})"
+                 + (f"; {' and '.join(again)} were compiled scanned again later that day, idle too, "
+                    "to count their HBM traffic (their reports and figures are from that compile), so "
+                    "their two scanned compiles are not compared here" if again else "")
+                 + ". " + scan_figures(pairs))
+    return _wrap(text)
+
+
+def header() -> list[str]:
+    """The page's opening paragraphs; the machine and the compiler's versions as found here."""
+    setup = (f"Compiled by libtpu for the named slice on a {os.cpu_count()}-core CPU machine without a "
+             f"TPU; jax {_version('jax')}, libtpu {_version('libtpu')} (as installed), bf16 weights "
+             "with the checkpoints' fp32 islands, splash attention (Mosaic), DeepCache at the seeds' "
+             "schedule. Measured: HBM of every program (the compiler's memory analysis), flops (XLA's "
+             "cost analysis plus the splash kernel's work counted from its shapes), collectives "
+             "(HLO), compile seconds on this shared machine. Estimated: the memory plan of the whole "
+             "run, and roofline seconds (each program at the largest of flops / peak bf16, bytes / "
+             "HBM bandwidth, received collective bytes / half the bidirectional ICI bandwidth). Real "
+             "steps run slower than the roofline by the kernels' efficiency.")
+    return [
         "# Real-size pipelines compiled for Cloud TPU slices (deviceless)",
         "",
         "`python bench/tpu_aot.py` (each row: `python -m tpu.aot <row arguments> --enable_cache`;",
         "reports and the full per-program printout under `bench/results/tpu_aot/`).",
-        "Compiled by libtpu for the named slice on a 2-core CPU machine without a TPU; jax 0.10.2,",
-        "libtpu 0.0.42.1, bf16 weights with the checkpoints' fp32 islands, splash attention",
-        "(Mosaic), DeepCache at the seeds' schedule. Measured: HBM of every program (the compiler's",
-        "memory analysis), flops (XLA's cost analysis plus the splash kernel's work counted from its",
-        "shapes), collectives (HLO), compile seconds on this shared machine. Estimated: the memory",
-        "plan of the whole run, and roofline seconds (each program at the largest of flops / peak",
-        "bf16, bytes / HBM bandwidth, received collective bytes / half the bidirectional ICI",
-        "bandwidth). Real steps run slower than the roofline by the kernels' efficiency.",
+        *_wrap(setup),
         "",
         "HBM traffic (`tpu/hbm.py`, the last column): XLA's bytes accessed add up every operand and",
         "result of every instruction, wherever it lives; on a TPU the compiler's memory-space",
@@ -279,45 +383,56 @@ def main():
         "free), so the bytes-accessed roofline stays beside it as the conservative figure. Rows",
         "compiled before the count existed show `-`.",
         "",
-        "Compile s: the whole run's programs, the middle program's in brackets. `a -> b`: a with the",
-        "middle stage's blocks unrolled (the reports kept under `tpu_aot/unrolled/`; `python -m",
-        "tpu.aot ... --unrolled` compiles that way), b with each run of identical blocks as one",
-        "`jax.lax.scan` (tpu/scan.py, the default). Costs of a loop count its body once per",
-        "iteration. Compile seconds depend on what else this shared machine runs: compare a row's",
-        "middle with its tail, which the scan does not change. The `a -> b` rows were compiled",
-        "unrolled and then scanned, one after the other on an otherwise idle machine (2026-11-26,",
-        "load average about 2 from the compile itself); middle programs: hy15-720p-v6e8 352.8 ->",
-        "60.1 s (5.9x), hy15-720p-v6e8-replicated 249.6 -> 67.1 s (3.7x), hy15-480p-49f-v6e1",
-        "182.6 -> 44.7 s (4.1x), ti2v5b-v6e8 154.9 -> 43.9 s (3.5x), a14b-v6e8 146.3 -> 47.5 s",
-        "(3.1x), a14b-v6e8-swap 173.3 -> 65.8 s (2.6x). ti2v5b-v6e8 and a14b-v6e8 were compiled",
-        "scanned again later that day, idle too, to count their HBM traffic: 56.3 and 71.7 s (the",
-        "table's figures), so two idle compiles of one program differ by up to half; the speedup",
-        "of the scan is the larger effect. Flops equal, HBM per chip equal or lower",
-        "(the scan's temporaries are one block's: hy15-720p-v6e8 6.1 -> 4.2 GiB). One cost: where",
-        "the middle is HBM-bound (hy15-480p-49f-v6e1, one chip, replicated weights) the scanned",
-        "middle accesses 773 GB a call against 693 GB unrolled, 0.96 against 0.87 s/step.",
+        *compile_paragraph(),
         "",
         "| pipeline | slice (chip HBM) | sp | weights | fits (GiB left) | GiB per chip | compile s (middle) "
         "| TFLOP/step/chip | roofline s/step, off | computed steps | roofline s/step, cached "
         "| roofline s/step, HBM traffic |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+
+def _load_or_run(name: str, row_args: str, compile_it: bool, rerun: bool,
+                 module: str = "tpu.aot") -> dict | None:
+    """The row's report: compiled where asked (an existing one reused unless `rerun`), else the
+    report on disk, None if there is none."""
+    return run_row(name, row_args, rerun, module) if compile_it else _report(name)
+
+
+def _parse():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="compile only these rows (names, comma-separated); the others "
+                    "come from their reports if present")
+    ap.add_argument("--rerun", action="store_true", help="compile again even if a report exists")
+    ap.add_argument("--decode_only", action="store_true", help="compile no stage-2 row (the "
+                    "stage-3 rows named by --only, or all of them, still compile)")
+    ap.add_argument("--page_only", action="store_true", help="compile nothing: write the page from "
+                    "the reports present (rows without one are listed as not compiled)")
+    args = ap.parse_args()
     only = None if args.only is None else set(args.only.split(","))
     unknown = (only or set()) - {name for name, _ in ROWS} - {name for name, *_ in DECODE_ROWS}
     if unknown:
         raise SystemExit(f"--only {args.only}: unknown row(s) {sorted(unknown)}; expected names from "
                          f"{', '.join(name for name, _ in ROWS)}")
+    return args, only
+
+
+def main():
+    args, only = _parse()
+    OUT.mkdir(parents=True, exist_ok=True)
+
+    def compiles(name: str, stage2: bool) -> bool:
+        if args.page_only or stage2 and args.decode_only:
+            return False
+        return only is None or name in only
+
+    lines = header()
     for name, row_args in ROWS:
-        if only is not None and name not in only or args.decode_only:
-            path = OUT / f"{name}.json"
-            if not path.exists():
-                continue
-            report = json.loads(path.read_text())
-        else:
-            report = run_row(name, row_args, args.rerun)
-        lines.append(row_line(name, row_args, report))
+        report = _load_or_run(name, row_args, compiles(name, True), args.rerun)
+        if report is not None:
+            lines.append(row_line(name, row_args, report))
     missing = [name for name, _ in ROWS if not (OUT / f"{name}.json").exists()]
-    lines += ["", f"Anchor: {ANCHOR}.", "", V5_BLOCKS, ""]
+    lines += ["", f"Anchor: {ANCHOR}.", "", v5_blocks(), ""]
     stale = [name for name in UNDERCOUNTED if (OUT / f"{name}.json").exists()]
     if stale:
         lines += ["Collectives undercounted in the reports of " + ", ".join(stale) + " (compiled "
@@ -330,7 +445,7 @@ def main():
     if missing:
         lines += [f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--only {','.join(missing)}` adds them.", ""]
-    lines += decode_lines(only, args.rerun)
+    lines += decode_lines(lambda name: compiles(name, False), args.rerun)
     (ROOT / "bench" / "results" / "tpu_aot.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
