@@ -1,6 +1,6 @@
 """Sequence parallel on emulated CPU devices: per-step time, cache speedup and collectives.
 
-    python bench/sp_scaling.py [--steps 24] [--blocks 12] [--frames 9]
+    python bench/sp_scaling.py [--steps 24] [--blocks 12] [--frames 9] [--out bench/results/sp_scaling.md]
 
 A tiny-but-deep HunyuanVideo-1.5 (hidden 64, 4 heads) runs uncached and with DeepCache at
 sp = 1, 2, 4, 8 on 8 emulated CPU devices (XLA_FLAGS set here, before jax starts). It prints the
@@ -8,6 +8,7 @@ loop time per step, the cache speedup at each sp, and the collectives one full a
 call hold (counted in the compiled programs). An honest caveat: emulated devices share this
 machine's cores, so sp > 1 cannot be faster here; the figure that carries over is how much of
 the cache speedup survives the extra collectives (peers.md: one peer fell from 2.84x to 1.93x).
+Writes the page (`--out`): the command, the machine, jax's version, the date, and the table.
 """
 
 from __future__ import annotations
@@ -20,18 +21,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import datetime  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench import pareto_report as report  # noqa: E402
 from bench.presets import _Pipeline  # noqa: E402
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
 from modules import hunyuan_video15  # noqa: E402
 from modules.registry import build_model  # noqa: E402
+from sampling.journal import atomic_write  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import make_mesh  # noqa: E402
 from tests.sp_jax_check import collectives  # noqa: E402
 from tpu.backend import JaxBackend  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sp_scaling.md")
+DEFAULTS = {"steps": 24, "blocks": 12, "frames": 9}
+FOOTER = ("(a step is two calls with CFG; the probe's signal reduction is 1 of these when the gate reads "
+          "signals; DeepCache reads none)")
 
 
 def per_call_collectives(backend, sample, pipe, shape):
@@ -47,12 +56,52 @@ def per_call_collectives(backend, sample, pipe, shape):
     return counts["probe"] + counts["middle"] + counts["tail"], counts["probe"] + counts["tail"]
 
 
-def main():
+def table_header() -> str:
+    return (f"{'sp':>3s} {'uncached ms/step':>17s} {'cached ms/step':>15s} {'cache speedup':>14s} "
+            f"{'collectives full/cached call':>29s}")
+
+
+def table_row(r: dict) -> str:
+    """r: sp, uncached and cached seconds per step, collectives in a full and a cached call."""
+    return (f"{r['sp']:3d} {1000 * r['uncached']:17.1f} {1000 * r['cached']:15.1f} "
+            f"{r['uncached'] / r['cached']:13.2f}x {r['full']:>17d} / {r['cached_call']:<d}")
+
+
+def command(args) -> str:
+    flags = "".join(f" --{k} {getattr(args, k)}" for k, v in DEFAULTS.items() if getattr(args, k) != v)
+    return f"python bench/sp_scaling.py{flags}"
+
+
+def page(title: str, rows: list[dict], cmd: str) -> list[str]:
+    """The results page; the machine and the date are this run's, so the page says where it was
+    measured without a typed line."""
+    import jax
+
+    return [
+        "# bench/sp_scaling.py", "",
+        f"Command: `{cmd}`. Machine: {report.machine()}; {jax.device_count()} emulated CPU devices "
+        f"({os.environ['XLA_FLAGS']}), jax {jax.__version__}, measured "
+        f"{datetime.date.today().isoformat()}. Emulated devices share this machine's cores, so sp > 1 "
+        "cannot be faster here; what carries over is how much of the cache speedup survives the "
+        "collectives, and how many collectives a full and a cached call hold.", "",
+        "```", title, table_header(), *(table_row(r) for r in rows), FOOTER, "```",
+    ]
+
+
+def write_page(path: str, lines: list[str]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, lambda f: f.write("\n".join(lines) + "\n"))
+    print(f"wrote {os.path.relpath(path)}", flush=True)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--blocks", type=int, default=12)
-    ap.add_argument("--frames", type=int, default=9, help="video frames (latent frames = (f-1)/4+1)")
-    args = ap.parse_args()
+    ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])
+    ap.add_argument("--blocks", type=int, default=DEFAULTS["blocks"])
+    ap.add_argument("--frames", type=int, default=DEFAULTS["frames"],
+                    help="video frames (latent frames = (f-1)/4+1)")
+    ap.add_argument("--out", default=OUT, help="the results page to write")
+    args = ap.parse_args(argv)
     cfg = dataclasses.replace(hunyuan_video15.CONFIGS["hunyuanvideo-tiny"], num_layers=args.blocks,
                               hidden_size=64, num_heads=8, rope_axes=(2, 2, 4))
     pipe = _Pipeline("hunyuanvideo-tiny", cfg)
@@ -61,11 +110,12 @@ def main():
     shape = pipe.latent_shape(128, 160, args.frames)
     tensors = pipe.synthesize(shape, True, False, 0)
     cached = CMConfig(deepcache=DeepCacheConfig(start=2, end=args.steps - 2, interval=3))
-    print(f"HunyuanVideo-1.5 tiny-deep: {args.blocks} blocks, hidden 64, 8 heads, latent "
-          f"{list(shape)} ({pipe.tokens(shape)} tokens), {args.steps} Euler steps, CFG, fp32; "
-          f"DeepCache start 2 end {args.steps - 2} interval 3; 8 emulated CPU devices")
-    print(f"{'sp':>3s} {'uncached ms/step':>17s} {'cached ms/step':>15s} {'cache speedup':>14s} "
-          f"{'collectives full/cached call':>29s}")
+    title = (f"HunyuanVideo-1.5 tiny-deep: {args.blocks} blocks, hidden 64, 8 heads, latent "
+             f"{list(shape)} ({pipe.tokens(shape)} tokens), {args.steps} Euler steps, CFG, fp32; "
+             f"DeepCache start 2 end {args.steps - 2} interval 3; 8 emulated CPU devices")
+    print(title)
+    print(table_header())
+    rows = []
     for sp in (1, 2, 4, 8):
         mesh = None if sp == 1 else make_mesh(sp, 1)
         times, counts = {}, None
@@ -80,11 +130,12 @@ def main():
             times[name] = best / args.steps
             if counts is None:
                 counts = per_call_collectives(backend, sample, pipe, shape)
-        print(f"{sp:3d} {1000 * times['uncached']:17.1f} {1000 * times['cached']:15.1f} "
-              f"{times['uncached'] / times['cached']:13.2f}x {counts[0]:>17d} / {counts[1]:<d}")
-    print("(a step is two calls with CFG; the probe's signal reduction is 1 of these when the gate "
-          "reads signals; DeepCache reads none)")
+        rows.append({"sp": sp, **times, "full": counts[0], "cached_call": counts[1]})
+        print(table_row(rows[-1]), flush=True)
+    print(FOOTER)
+    write_page(args.out, page(title, rows, command(args)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
