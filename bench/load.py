@@ -1,7 +1,7 @@
 """Loading a checkpoint onto 8 emulated CPU devices: the old path against sharded loading.
 
     python bench/load.py [--model wan2.2-ti2v-5b] [--layers N] [--dir DIR --keep]
-                         [--hold block|all] [--cache cold|warm] [--threads N]
+                         [--hold block|all] [--cache cold|warm] [--threads N] [--out PAGE]
 
 Writes a checkpoint of `--model` (default the real-size Wan2.2 TI2V-5B: ~10 GB) in the official
 layout the loader reads, bf16 random values, in shards of at most 4 GiB with an index, into a
@@ -16,7 +16,9 @@ default there), it loads it:
        read from the files, cast on the host, put on that device alone, on a thread pool
 
 and prints load seconds and the child's peak RSS (getrusage ru_maxrss), with the bytes read and
-the bytes the weights take on the devices.
+the bytes the weights take on the devices. `--out` (bench/results/load.md by default) gets the
+run's section of the page, named by its command: its table, the machine it ran on, and the
+ratios computed from its rows; the sections of other variants stay as their runs wrote them.
 
 On emulated CPU devices the devices' memory is this process's memory, so a load that keeps every
 weight holds the whole model in RSS whatever the loader does (on a TPU host it is HBM).
@@ -35,6 +37,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -45,6 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+OUT = ROOT / "bench" / "results" / "load.md"
 SHARD_BYTES = 4 * 2 ** 30
 DEVICES = 8
 
@@ -194,7 +198,18 @@ def child(args) -> dict:
     seconds = time.perf_counter() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"path": args.child, "seconds": seconds, "peak_rss": peak, "baseline_rss": baseline,
-            "bytes_read": bytes_read, "device_bytes": device_bytes}
+            "bytes_read": bytes_read, "device_bytes": device_bytes, "jax": jax.__version__,
+            "threads": (args.threads or loading.default_threads()) if args.child == "new" else None}
+
+
+def host_bytes(directory: Path, config) -> int:
+    """Bytes the old path's model takes in host memory: the dtypes a bf16 load gives (the fp32
+    islands kept), read from the checkpoint's headers."""
+    import torch
+
+    from modules.checkpoint import load_model
+    model, _ = load_model(directory, config, dtype=torch.bfloat16, meta=True)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # --- the comparison ----------------------------------------------------------------------------
@@ -207,20 +222,137 @@ def _available_memory() -> int:
     return 0
 
 
+def table(rows, size: int, hold: str, cache: str) -> list[str]:
+    """The summary the bench prints, one line per path."""
+    out = [f"{DEVICES} emulated CPU devices, mesh sp {DEVICES} (FSDP), hold {hold}, "
+           f"page cache {cache}; checkpoint {_gb(size)}",
+           f"{'path':5s} {'seconds':>8s} {'peak RSS':>10s} {'RSS before':>11s} {'read':>10s} "
+           f"{'on devices':>11s} {'peak/ckpt':>10s}"]
+    for r in rows:
+        out.append(f"{r['path']:5s} {r['seconds']:8.1f} {_gb(r['peak_rss']):>10s} "
+                   f"{_gb(r['baseline_rss']):>11s} {_gb(r['bytes_read']):>10s} "
+                   f"{_gb(r['device_bytes']):>11s} {r['peak_rss'] / size:10.2f}")
+    return out
+
+
+def readings(rows, size: int, host: int, hold: str, cache: str) -> list[str]:
+    """What the rows say, every figure computed from them: the paths against each other where
+    both ran, each path's peak against the checkpoint, and the old path's host model."""
+    by = {r["path"]: r for r in rows}
+    out = []
+    old, new = by.get("old"), by.get("new")
+    if old and new:
+        speed = old["seconds"] / new["seconds"]
+        out.append(f"Sharded loading: {speed:.1f}x {'faster' if speed >= 1 else 'slower'} than the old "
+                   f"path from a {cache} page cache, and peak RSS {new['peak_rss'] / size:.2f}x the "
+                   f"checkpoint ({_gb(new['peak_rss'])}, {_gb(new['baseline_rss'])} of it the process "
+                   f"before loading), against {old['peak_rss'] / size:.2f}x ({_gb(old['peak_rss'])}).")
+    else:
+        out += [f"{r['path']}: {r['seconds']:.1f} s from a {cache} page cache, peak RSS "
+                f"{r['peak_rss'] / size:.2f}x the checkpoint ({_gb(r['peak_rss'])}, "
+                f"{_gb(r['baseline_rss'])} of it the process before loading)." for r in rows]
+    if new:
+        out.append(f"The new path read with {new['threads']} thread{'s' if new['threads'] != 1 else ''}.")
+    if old:
+        text = (f"The old path holds the whole model in host memory: {_gb(host)} with the fp32 "
+                "islands (the dtypes a bf16 load gives, from the checkpoint's headers)")
+        if hold == "block":  # else the placed weights count in RSS too: no such split
+            above = old["peak_rss"] - old["baseline_rss"]
+            text += f"; its peak RSS is {_gb(above)} above the process before loading"
+            if above > host:
+                text += (f", {_gb(above - host)} more than the model: the pages of the shard being "
+                         "read, which count while safetensors maps it")
+        out.append(text + ".")
+    return out
+
+
+def section(rows, *, cmd: str, model: str, layers, size: int, shards: int, host: int, hold: str,
+            cache: str, wrote_s, ram: int, loads, date: str) -> list[str]:
+    """One run's section of the page: what it loaded, where, its table and its readings."""
+    jax = ", ".join(sorted({r["jax"] for r in rows}))
+    written = f"written for this run in {wrote_s:.0f} s" if wrote_s is not None else "reused from --dir"
+    return [f"## `{cmd}`", "",
+            f"Checkpoint: {model}{f' ({layers} blocks)' if layers else ''}, {_gb(size)} bf16 in "
+            f"{shards} shard{'s' if shards != 1 else ''} ({written}). Page cache {cache}"
+            + (" (the files' pages dropped before each path)" if cache == "cold" else "")
+            + f"; hold {hold}.", "",
+            f"Machine: {os.cpu_count()} CPUs, {ram / 1e9:.1f} GB RAM, jax {jax} on CPU, {date}; "
+            f"1-minute load average {loads[0]:.2f} at the start, {loads[1]:.2f} at the end (other "
+            "jobs on the machine move the seconds).", "",
+            "```", *table(rows, size, hold, cache), "```", "",
+            " ".join(readings(rows, size, host, hold, cache))]
+
+
+def head() -> str:
+    """The page's top: what the paths are and what the columns mean (no measured figure)."""
+    return f"""\
+# bench/load.py
+
+Loading a checkpoint (random bf16 values, official layout and keys, shards of at most
+{SHARD_BYTES / 2 ** 30:g} GiB with an index) onto {DEVICES} emulated CPU devices, mesh sp {DEVICES},
+FSDP (the backend's default there), each path in a fresh process:
+
+- **old**: the path before issue 24. `load_model` reads the whole model into host memory (bf16,
+  fp32 islands), then each weight goes whole onto the first device through torchax's fp32 copy
+  and is resharded (`tpu/backend.py` `_place_weight` at ac084af, reproduced in the bench).
+- **new**: `open_checkpoint` + `tpu.loading.place_all`, what the JAX backend now runs: each
+  device's rows read from the files (positional reads, on a pool of threads), cast on the host,
+  put on that device alone.
+
+Each section below is written by the run its heading names (`--out`, this page by default); a
+run replaces its own section and keeps the others, so a variant (`--cache warm`, `--threads N`,
+`--hold all`, `--layers N`) sits beside the default run with its own machine line. Peak RSS is
+the child's getrusage ru_maxrss (mapped file pages count while mapped).
+
+**What "hold block" means.** An emulated CPU device's memory is the process's own, so a load that
+keeps every weight has the whole model in RSS whatever the loader does (on a TPU host it is in
+HBM). The bench therefore places one block at a time, waits for it, counts the device buffers
+("on devices", the sum over the run) and releases them before the next block: the peak is what
+the loader itself holds on the host. A run that keeps everything (`--hold all`) fits only where
+the machine holds the model twice over (smaller files: `--layers N`).
+
+"On devices" counts distinct device buffers: on CPU, jax keeps an aligned host buffer as the
+device buffer instead of copying it, so the {DEVICES} replicas of an fp32 island that the reader cast
+on the host share one buffer; the bf16 weights read straight from the file are copied to each
+device. On a TPU every replica is a transfer to HBM either way.
+
+Per host on a slice: each process reads only its devices' rows, so with FSDP over two hosts each
+reads the replicated weights whole and half of every split block weight
+(`tests/test_multihost.py` counts every read of both processes against exactly that).
+"""
+
+
+DEFAULTS = {"model": "wan2.2-ti2v-5b", "layers": None, "paths": "old,new", "hold": "block",
+            "cache": "cold", "threads": None}
+
+
+def command(args) -> str:
+    """The run's command: its flags that change what is measured (not where files go)."""
+    flags = "".join(f" --{k} {shlex.quote(str(getattr(args, k)))}" for k, v in DEFAULTS.items()
+                    if getattr(args, k) != v)
+    return f"python bench/load.py{flags}"
+
+
+def _rank(key: str) -> int:
+    return 0 if key == "python bench/load.py" else 1  # the default run first, variants after
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wan2.2-ti2v-5b", help="a model config name (default: "
+    parser.add_argument("--model", default=DEFAULTS["model"], help="a model config name (default: "
                         "the real-size Wan2.2 TI2V-5B)")
     parser.add_argument("--layers", type=int, help="fewer blocks than the config (a smaller file)")
     parser.add_argument("--dir", help="where the checkpoint goes (default: a temporary folder "
                         "under /tmp, deleted after)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint in --dir, and "
                         "reuse one already there")
-    parser.add_argument("--paths", default="old,new", help="which loaders, in order")
-    parser.add_argument("--hold", choices=("block", "all"), default="block")
-    parser.add_argument("--cache", choices=("cold", "warm"), default="cold")
+    parser.add_argument("--paths", default=DEFAULTS["paths"], help="which loaders, in order")
+    parser.add_argument("--hold", choices=("block", "all"), default=DEFAULTS["hold"])
+    parser.add_argument("--cache", choices=("cold", "warm"), default=DEFAULTS["cache"])
     parser.add_argument("--threads", type=int, help="new path's reading threads (default: "
                         "tpu.loading's)")
+    parser.add_argument("--out", default=str(OUT), help="the results page whose section (named by "
+                        "the run's command) this run writes ('' for none)")
     parser.add_argument("--child", choices=("old", "new"), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -237,6 +369,7 @@ def main():
     ckpt = directory / "checkpoint"
     reuse = args.keep and ckpt.is_dir()
     free = shutil.disk_usage(directory).free
+    load = os.getloadavg()[0]
     print(f"checkpoint: {args.model}{f' ({args.layers} blocks)' if args.layers else ''}, "
           f"{_gb(size)} bf16 in {ckpt}{' (reused)' if reuse else ''}; {_gb(free)} free there, "
           f"{_gb(_available_memory())} memory available")
@@ -244,11 +377,14 @@ def main():
         print(f"not enough disk: the checkpoint needs {_gb(size)}, {_gb(free)} free in {directory}; "
               "give --dir on a larger disk", file=sys.stderr)
         return 1
+    wrote = None
     try:
         if not reuse:
             began = time.perf_counter()
             write_checkpoint(config, ckpt)
-            print(f"wrote it in {time.perf_counter() - began:.0f} s")
+            wrote = time.perf_counter() - began
+            print(f"wrote it in {wrote:.0f} s")
+        shards, host = len(list(ckpt.glob("*.safetensors"))), host_bytes(ckpt, config)
         rows = []
         for path in args.paths.split(","):
             if args.cache == "cold":
@@ -269,16 +405,18 @@ def main():
         if not args.keep:
             shutil.rmtree(directory, ignore_errors=True)
 
-    print(f"\n{DEVICES} emulated CPU devices, mesh sp {DEVICES} (FSDP), hold {args.hold}, "
-          f"page cache {args.cache}; checkpoint {_gb(size)}")
-    print(f"{'path':5s} {'seconds':>8s} {'peak RSS':>10s} {'RSS before':>11s} {'read':>10s} "
-          f"{'on devices':>11s} {'peak/ckpt':>10s}")
-    for r in rows:
-        print(f"{r['path']:5s} {r['seconds']:8.1f} {_gb(r['peak_rss']):>10s} "
-              f"{_gb(r['baseline_rss']):>11s} {_gb(r['bytes_read']):>10s} "
-              f"{_gb(r['device_bytes']):>11s} {r['peak_rss'] / size:10.2f}")
+    print()
+    print("\n".join(table(rows, size, args.hold, args.cache)))
     print(f"machine: {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}; peak RSS = the child's "
           "getrusage ru_maxrss (mapped file pages count while mapped)")
+    if args.out:
+        from bench.presets import write_section  # the presets page's section writer
+        cmd = command(args)
+        write_section(args.out, cmd, section(
+            rows, cmd=cmd, model=args.model, layers=args.layers, size=size, shards=shards, host=host,
+            hold=args.hold, cache=args.cache, wrote_s=wrote,
+            ram=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            loads=(load, os.getloadavg()[0]), date=time.strftime("%Y-%m-%d")), head(), _rank)
     return 0
 
 

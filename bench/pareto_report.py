@@ -320,48 +320,171 @@ def not_registered() -> str:
             "adapter and runs.")
 
 
-NOTES = """\
-- Check of the harness: ours FBCache without a forecast takes the same decisions as diffusers'
-  FBC (the same first-block residual test): the same computed fraction and PSNR at the smaller
-  thresholds; at larger ones ours also computes the last step (`last_steps=1`, 2 of 100 calls).
-- Where our lead comes from: forecasting the reused residual from the last two or three computed
-  ones, and (issue 17) deciding reuse by the forecast's own error: the FBCache +forecast2/+forecast1
-  gated curves compare block 0's residual with its forecast (`--forecast_gate`) and sum that
-  error over the reuse run (`--fb_accumulate`). Block 0's forecast error follows the middle's
-  closely (log correlation 0.99 to 1.00, `python bench/forecast_signals.py`), so reuse runs
-  stop where the extrapolation goes wrong, not where the raw change is large; the gated curves
-  alone make all of our front on HunyuanVideo-1.5 and its mid and high-fidelity part on Wan.
-  cache-dit's TaylorSeer calibrator forecasts like us but decides on the raw change.
-- Wan's cheap end (issue 17): the step-weighted curve (linear forecast, each step's forecast
-  error weighted by its size in sigma, no forced last compute) reaches diffusers FBC's 55.7 dB at
-  0.111 computed and its 62.5 dB at 0.169, by thin margins (0.3 and 0.5 dB) on this one draw;
-  forcing compute schedules by hand, the best 4-compute schedule found on Wan gives 56.3 dB, so
-  that end is close to what any schedule can do here. The first reuse run has one stored residual
-  and is plain reuse; extrapolating it along block 0's change cannot help, since that change
-  points almost orthogonally to the middle's (cos 0.0 to 0.2, bench/results/forecast_signals.md).
-- Our curves are not monotonic in the threshold (Wan gated 0.07: 0.304 computed, 64.3 dB; 0.15:
-  0.265, 70.9 dB): the errors of different reuse runs partly cancel in the final latent, so a
-  single point carries a few dB of luck either way; the front takes each curve's best points.
-- Measured time: the standing in time compares the loops' CPU seconds directly (ours and
-  diffusers' do the same maths on the same torch CPU; their uncached CPU seconds are given
-  above). A single run's CPU time moves by several percent between identical runs (the
-  spread above) and by more when other jobs load the machine, so the standing in time changes
-  between runs wherever the computed-fraction lead is small. The computed fraction does not
-  move.
-- Budgeted mode (issue 17): `--budget_rel_err` now chooses among every configuration we ship
-  (sampling/budget.py SPACE), calibrated on three draws it is never evaluated on, by a 95%
-  prediction bound for an unseen draw (log errors, Student's t, the spread pooled over all
-  configurations as a floor). The bound is conservative by design: the achieved error sits well
-  under the budget (the table's max column), so a budget buys less speed than the curve could
-  give on one lucky draw, and keeps on draws it never saw.
-- Not measured yet: the step weighting on the quadratic forecast at every threshold, and on
-  real checkpoints.
-- Caveats: random weights keep much of the initial noise, so PSNR is inflated (rel/disp does not
-  flatter); one prompt and one seed make each curve (MagCache calibrates on another draw,
-  budgeted mode on three others, and is checked on five); the models are tiny (30 blocks, width
-  48 / 64, 320 / 400 tokens), so per-op
-  overhead dominates their time on a CPU.
-"""
+GATED = "gated"  # in a curve's name: reuse decided by the forecast's own error (issue 17)
+STEP_WEIGHTED = "ours FBCache +forecast1 gated step-weighted"
+CHEAP_END = 2  # how many of diffusers FBC's cheapest front points the step-weighted curve meets
+
+
+def _curves(rows, family) -> dict[str, list]:
+    """Our curves' points (computed, PSNR, method, setting) by curve, budgeted mode left out: its
+    points are other curves' settings."""
+    out = {}
+    for p in points(rows, family, True):
+        if p[2] not in BUDGETED:
+            out.setdefault(p[2], []).append(p)
+    return out
+
+
+def _bullet(text: str) -> str:
+    return textwrap.fill(f"- {text}", 96, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _harness_note(rows, fams, facts) -> str | None:
+    """Ours FBCache against diffusers' FBC at the thresholds both ran."""
+    parts = []
+    for fam in fams:
+        def ok(method, fam=fam):
+            return {r["setting"]: r for r in rows if r["family"] == fam.key and r["method"] == method
+                    and r["status"] == "ok"}
+        ours, theirs = ok("ours FBCache"), ok("diffusers FBC")
+        common = [s for s in theirs if s in ours]
+        if not common:
+            continue
+        same = [s for s in common if abs(ours[s]["computed_fraction"] - theirs[s]["computed_fraction"])
+                < 1e-9 and abs(ours[s]["psnr_db"] - theirs[s]["psnr_db"]) < 0.05]
+        differ = [f"threshold {s.removeprefix('threshold ')} "
+                  f"{ours[s]['computed_fraction'] - theirs[s]['computed_fraction']:+.3f} computed, "
+                  f"{ours[s]['psnr_db'] - theirs[s]['psnr_db']:+.1f} dB" for s in common if s not in same]
+        text = (f"on {fam.title} ({facts[fam.key]['steps']} steps), the same computed fraction and PSNR "
+                f"at threshold {', '.join(s.removeprefix('threshold ') for s in same) or 'none'}")
+        if differ:
+            text += "; elsewhere ours against diffusers': " + "; ".join(differ)
+        parts.append(text)
+    if not parts:
+        return None
+    return _bullet("Check of the harness: ours FBCache without a forecast takes the same decisions as "
+                   "diffusers' FBC (the same first-block residual test), but ours also computes the "
+                   "last step (`last_steps=1`): " + "; ".join(parts) + ".")
+
+
+def _front_note(rows, fams) -> str:
+    """Which of our curves make our front (budgeted mode aside), the gated ones counted."""
+    parts = []
+    for fam in fams:
+        ours = front([p for pts in _curves(rows, fam.key).values() for p in pts])
+        if not ours:
+            continue
+        by = {}
+        for p in ours:  # cheapest first
+            by[p[2]] = by.get(p[2], 0) + 1
+        gated = sum(n for name, n in by.items() if GATED in name)
+        parts.append(f"{gated} of the {len(ours)} points of our front on {fam.title} ("
+                     + ", ".join(f"{name.removeprefix('ours ')} {n}" for name, n in by.items()) + ")")
+    made = f" The gated curves make {'; '.join(parts)}." if parts else ""
+    return _bullet(
+        "Where our lead comes from: forecasting the reused residual from the last two or three "
+        "computed ones, and (issue 17) deciding reuse by the forecast's own error: the gated curves "
+        "compare block 0's residual with its forecast (`--forecast_gate`) and sum that error over "
+        "the reuse run (`--fb_accumulate`). Block 0's forecast error follows the middle's closely "
+        "(`python bench/forecast_signals.py` measures how closely), so reuse runs stop where the "
+        f"extrapolation goes wrong, not where the raw change is large.{made} cache-dit's TaylorSeer "
+        "calibrator forecasts like us but decides on the raw change.")
+
+
+def _cheap_end_note(rows, fams) -> str | None:
+    """The step-weighted curve at diffusers FBC's cheapest front points."""
+    parts = []
+    for fam in fams:
+        mine = _curves(rows, fam.key).get(STEP_WEIGHTED)
+        fbc = [p for p in points(rows, fam.key, False) if p[2] == "diffusers FBC"]
+        if not mine or not fbc:
+            continue
+        at = []
+        for cost, psnr, *_ in front(fbc)[:CHEAP_END]:
+            reach = _cheapest_for(mine, psnr)
+            at.append(f"its {psnr:.1f} dB at {cost:.3f} computed " + (
+                "not reached" if reach is None else
+                f"reached at {reach[0]:.3f} ({reach[1]:.1f} dB, {reach[1] - psnr:+.1f})"))
+        parts.append(f"on {fam.title}, " + "; ".join(at))
+    if not parts:
+        return None
+    return _bullet(
+        "The cheap end (issue 17): the step-weighted curve (linear forecast, each step's forecast "
+        "error weighted by its size in sigma, no forced last compute) against diffusers FBC's "
+        "cheapest front points, on this one draw: " + "; ".join(parts) + ". The first reuse run has "
+        "one stored residual and is plain reuse; extrapolating it along block 0's change cannot "
+        "help, since that change points almost orthogonally to the middle's "
+        "(bench/results/forecast_signals.md).")
+
+
+def _monotonic_note(rows, fams) -> str:
+    """How many of our curves lose PSNR while computing more, and the widest such pair."""
+    worst, bad, total = None, 0, 0
+    for fam in fams:
+        for name, pts in _curves(rows, fam.key).items():
+            total += 1
+            pairs = [(a, b) for a in pts for b in pts if a[0] < b[0] and a[1] > b[1]]
+            bad += bool(pairs)
+            for a, b in pairs:
+                if worst is None or a[1] - b[1] > worst[0]:
+                    worst = (a[1] - b[1], fam, name, a, b)
+    if worst is None:
+        return _bullet(f"Each of our {total} curves is monotonic in the threshold on this run; the "
+                       "front takes each curve's best points.")
+    _, fam, name, a, b = worst
+    return _bullet(
+        f"{bad} of our {total} curves {'is' if bad == 1 else 'are'} not monotonic in the threshold "
+        f"(the widest: {fam.title}, "
+        f"{name.removeprefix('ours ')} {b[3]}: {b[0]:.3f} computed, {b[1]:.1f} dB; {a[3]}: "
+        f"{a[0]:.3f}, {a[1]:.1f} dB): the errors of different reuse runs partly cancel in the final "
+        "latent, so a single point carries luck of that order either way; the front takes each "
+        "curve's best points.")
+
+
+def _budget_note(rows, facts) -> str:
+    """Budgeted mode's design, and the worst achieved error over its budget in this run."""
+    ratios = []
+    for r in rows:
+        if r["method"] == "ours budgeted" and r["status"] == "ok":
+            target = float(re.search(BUDGETED[r["method"]][1], r["setting"]).group(1))
+            ratios.append(r["rel_l2"] / target)
+    ratios += [u["rel_l2"] / u["target"] for f in facts.values() for u in f["budget_unseen"]
+               if u["kind"] == "rel_err"]
+    worst = (f"; in this run the achieved error reached at most {max(ratios):.2f} of its budget (the "
+             "table's max column)") if ratios else ""
+    return _bullet(
+        "Budgeted mode (issue 17): `--budget_rel_err` chooses among every configuration we ship "
+        f"(sampling/budget.py SPACE), calibrated on {len(BUDGET_SEEDS)} draws it is never evaluated "
+        "on, by a 95% prediction bound for an unseen draw (log errors, Student's t, the spread "
+        "pooled over all configurations as a floor). The bound is conservative by design, so a "
+        f"budget buys less speed than the curve could give on one lucky draw{worst}.")
+
+
+def notes(rows, fams, facts) -> str:
+    """The random-weight page's reading: every figure in it computed from this run's rows and
+    facts; a note whose rows are missing is left out."""
+    spread = max(facts[f.key]["spread"] for f in fams)
+    models = "; ".join(f"{fam.title}: {facts[fam.key]['blocks']} blocks of width "
+                       f"{getattr(fam.config, 'dim', None) or fam.config.hidden_size}, "
+                       f"{facts[fam.key]['tokens']} tokens" for fam in fams)
+    bullets = [
+        _harness_note(rows, fams, facts), _front_note(rows, fams), _cheap_end_note(rows, fams),
+        _monotonic_note(rows, fams),
+        _bullet("Measured time: the standing in time compares the loops' CPU seconds directly (ours "
+                "and diffusers' do the same maths on the same torch CPU; their uncached CPU seconds "
+                "are given above). A single run's CPU time moves between identical runs (up to "
+                f"{100 * spread:.0f}% here, the spread above) and by more when other jobs load the "
+                "machine, so the standing in time changes between runs wherever the "
+                "computed-fraction lead is small. The computed fraction does not move."),
+        _budget_note(rows, facts),
+        _bullet("Not measured yet: the step weighting on the quadratic forecast at every threshold, "
+                "and on real checkpoints."),
+        _bullet("Caveats: random weights keep much of the initial noise, so PSNR is inflated "
+                "(rel/disp does not flatter); one prompt and one seed make each curve (MagCache "
+                f"calibrates on another draw, budgeted mode on {len(BUDGET_SEEDS)} others, and is "
+                f"checked on {len(UNSEEN_SEEDS)}); the models are tiny ({models}), so per-op "
+                "overhead dominates their time on a CPU.")]
+    return "\n".join(b for b in bullets if b) + "\n"
 
 
 def follow_mean(r) -> float:
@@ -628,7 +751,7 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
             lines += follow_standing(rows, fam.key, args.follow)[0]
             lines += ["", "![prompt following against computed fraction](follow.png)"]
     reading = (TRAINED_NOTES + trained_caveats(fams, facts, args.follow) if args.weights == "trained"
-               else NOTES)
+               else notes(rows, fams, facts))
     lines += ["", "## Reading it", "", reading]
     for fam in fams:
         lines += [f"## Table: {fam.title}", ""] + table(rows, fam.key) + [""]

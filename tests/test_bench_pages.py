@@ -1,7 +1,9 @@
-"""The results pages bench/taylorseer_gap.py and bench/sp_scaling.py write: every figure on them
+"""The results pages bench/taylorseer_gap.py, bench/sp_scaling.py, bench/presets.py and
+bench/load.py write, and bench/pareto_report.py's random-weight notes: every figure on them
 comes from the rows given, and the readings follow the rows (a different set of rows reads
 differently)."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -111,3 +113,236 @@ def test_sp_scaling_page(tmp_path):
     assert table[2].split() == ["1", "50.0", "40.0", "1.25x", "0", "/", "0"]
     assert table[3].split() == ["8", "200.0", "80.0", "2.50x", "256", "/", "24"]
     assert table[4].startswith("(a step is two calls with CFG") and table[5] == "```"
+
+
+# --- bench/presets.py: one section per mode, readings from the rows ------------------------------
+
+def _preset_model(title, family, signal, calls, psnr, attributes=()):
+    """A model's record as bench/presets.py keeps it: calls[p] and psnr[p] per preset."""
+    from bench import presets as ps
+    runs = {"reference": {"calls": 1.0, "blocks": 1.0, "wall": 1.0, "signal": signal,
+                          **dict.fromkeys(attributes, 1.0)}}
+    for name in ("balanced", "hybrid", "safe", "turbo"):
+        runs[name] = {"calls": calls[name], "blocks": calls[name] + 0.01, "wall": 1.2,
+                      "psnr_db": psnr[name], "rel_l2": 1e-3, "rel_to_displacement": 2e-3,
+                      **dict.fromkeys(attributes, 1.0)}
+    return ps.record(title, f"{title}: HEADER", runs, attributes=attributes, family=family)
+
+
+def _preset_models():
+    def m(title, family, signal, safe, balanced, turbo, psnr=(90.0, 80.0, 70.0)):
+        return _preset_model(title, family, signal,
+                             {"safe": safe, "balanced": balanced, "turbo": turbo, "hybrid": 0.44},
+                             {"safe": psnr[0], "balanced": psnr[1], "turbo": psnr[2], "hybrid": 75.0})
+    return [m("HY, quiet", "HY", 2.0e-5, 0.70, 0.48, 0.26), m("HY, loud", "HY", 1.6e-2, 0.96, 0.56, 0.34),
+            m("Wan, quiet", "Wan", 1.0e-4, 0.80, 0.54, 0.32, psnr=(60.0, 83.7, 70.2)),
+            m("Wan, loud", "Wan", 1.1e-2, 0.78, 0.56, 0.34)]
+
+
+def _flat(lines) -> str:
+    return " ".join("\n".join(lines).split())
+
+
+def test_presets_random_section_from_rows():
+    from bench import presets as ps
+    models = _preset_models()
+    lines = ps.random_section(models, cmd="python bench/presets.py --steps 10", elapsed=12.0,
+                              loads=(1.5, 2.25), init="init: X", plot="presets_trace.png")
+    text = _flat(lines)
+    assert "Reproduce: `python bench/presets.py --steps 10` (12 s;" in text
+    assert "1-minute load average 1.50 at the start, 2.25 at the end" in text
+    for m in models:  # the tables are the printed ones
+        for line in ps.model_lines(m):
+            assert line in lines
+    assert "  Wan, quiet                             signal 1.0e-04  NO   60.0 >= 83.7 >= 70.2" in lines
+    # 1.6e-2 / 2.0e-5 = 800, 1.1e-2 / 1.0e-4 = 110
+    assert "the quietest and loudest models are 800x (HY) and 110x (Wan) apart" in text
+    assert "safe >= balanced >= turbo in PSNR holds on 3 of 4 models (not on Wan, quiet)." in text
+    assert "over the 4 models: safe 0.70-0.96, balanced 0.48-0.56, turbo 0.26-0.34;" in text
+    # safe's median over the four is 0.79: HY loud is furthest from it
+    assert "furthest from its preset's median: safe on HY, loud, 0.96 against 0.79." in text
+    assert "![per-step trace](presets_trace.png)" in lines
+    assert "hybrid (was)" not in text and "Before" not in text
+    # a run where every model keeps the order reads so, and no plot: no image
+    text = _flat(ps.random_section(models[:2], cmd="c", elapsed=1.0, loads=(0, 0), init="i"))
+    assert "holds on all 2 models." in text and "![" not in text
+    assert "over the 2 models: safe 0.70-0.96" in text and "furthest" not in text
+
+
+def test_presets_trained_section_from_rows():
+    from bench import presets as ps
+    attrs = ("foreground", "shape")
+    m = _preset_model("wan-tiny-trained", None, 4.3e-3,
+                      {"safe": 0.57, "balanced": 0.42, "turbo": 0.20, "hybrid": 0.415},
+                      {"safe": 65.6, "balanced": 59.7, "turbo": 35.2, "hybrid": 61.8}, attrs)
+    lines = ps.trained_section([m], cmd="python bench/presets.py --weights trained --checkpoint ck",
+                               elapsed=27.0, loads=(1, 1), init="weights: X", prompts=12,
+                               weights=[("ck", 7)], checkpoint="ck")
+    text = _flat(lines)
+    assert lines[0] == "## Trained weights: `ck`"
+    assert "(27 s; 12 held-out prompts per run, pooled;" in text and "Weights: `ck` at step 7." in text
+    assert ("- wan-tiny-trained: safe >= balanced >= turbo in PSNR holds; no run breaks the prompt (no "
+            "attribute loses more than one of the 12 prompts against the reference); `hybrid` (not part "
+            "of the order) keeps more than `balanced` (61.8 against 59.7 dB) at less compute (0.425 "
+            "against 0.430 of the blocks).") in lines
+    # one prompt of 12 lost is within the slack, two are not; the order broken
+    m["runs"]["turbo"]["shape"] = 1 - 1 / 12
+    m["runs"]["safe"]["foreground"] = 1 - 2 / 12
+    m["runs"]["safe"]["psnr_db"] = 50.0
+    text = _flat(ps.trained_section([m], cmd="c", elapsed=1.0, loads=(0, 0), init="i", prompts=12,
+                                    weights=[("assets/x", None)]))
+    assert "## Trained weights (issue 28)" in text and "Weights: `assets/x`." in text
+    assert "in PSNR does NOT hold; more than one of the 12 prompts lost against the reference: " \
+           "safe foreground 83% against 100%;" in text
+    assert "turbo shape" not in text
+
+
+def test_presets_page_keeps_each_modes_section(tmp_path):
+    from bench import presets as ps
+    page = tmp_path / "presets.md"
+    page.write_text("# typed by hand\n\nBefore (a table no run wrote)\n")
+    models = _preset_models()
+
+    def section(key, word):
+        ps.write_section(str(page), key, [f"## {key}", "", word], ps.head(), ps._rank)
+
+    section("checkpoint bench/x", "first")
+    section("trained", "second")
+    section("random", "third")
+    text = page.read_text()
+    assert "typed by hand" not in text and "Before" not in text  # only what runs wrote stays
+    assert text.index("## random") < text.index("## trained") < text.index("## checkpoint bench/x")
+    section("trained", "again")
+    text = page.read_text()
+    assert "again" in text and "second" not in text and "first" in text and "third" in text
+    assert text.startswith("# bench/presets.py\n")
+    assert "- `safe`: TeaCache threshold 1.5 times the mean change so far (relative); every call " \
+           "computes over the last 40 percent of the schedule; tail blocks always run: 2." in text
+    assert [p.name for p in tmp_path.iterdir()] == ["presets.md"]  # no temporary left
+    # a whole section from rows goes in the same way
+    ps.write_section(str(page), "random", ps.random_section(models, cmd="c", elapsed=1.0, loads=(0, 0),
+                                                            init="i"), ps.head(), ps._rank)
+    assert "holds on 3 of 4 models" in page.read_text() and "again" in page.read_text()
+
+
+# --- bench/load.py ------------------------------------------------------------------------------
+
+def _load_rows(paths=("old", "new"), threads=8):
+    rows = {"old": {"path": "old", "seconds": 41.5, "peak_rss": 13.31e9, "baseline_rss": 0.48e9,
+                    "bytes_read": 10e9, "device_bytes": 12.38e9, "jax": "0.10.2", "threads": None},
+            "new": {"path": "new", "seconds": 20.4, "peak_rss": 1.51e9, "baseline_rss": 0.48e9,
+                    "bytes_read": 10e9, "device_bytes": 10.47e9, "jax": "0.10.2", "threads": threads}}
+    return [rows[p] for p in paths]
+
+
+def _load_section(rows, **kw):
+    from bench import load
+    args = dict(cmd="python bench/load.py", model="wan2.2-ti2v-5b", layers=None, size=10e9, shards=3,
+                host=10.3e9, hold="block", cache="cold", wrote_s=89.2, ram=24e9, loads=(3.0, 2.5),
+                date="2026-11-25")
+    return load.section(rows, **{**args, **kw})
+
+
+def test_load_section_from_rows():
+    from bench import load
+    lines = _load_section(_load_rows())
+    text = _flat(lines)
+    assert lines[0] == "## `python bench/load.py`"
+    assert "wan2.2-ti2v-5b, 10.00 GB bf16 in 3 shards (written for this run in 89 s)." in text
+    assert f"Machine: {os.cpu_count()} CPUs, 24.0 GB RAM, jax 0.10.2 on CPU, 2026-11-25;" in text
+    assert "old       41.5   13.31 GB     0.48 GB   10.00 GB    12.38 GB       1.33" in lines
+    # 41.5 / 20.4; 1.51 / 10 and 13.31 / 10 of the checkpoint
+    assert ("Sharded loading: 2.0x faster than the old path from a cold page cache, and peak RSS 0.15x "
+            "the checkpoint (1.51 GB, 0.48 GB of it the process before loading), against 1.33x "
+            "(13.31 GB).") in text
+    assert "The new path read with 8 threads." in text
+    # 13.31 - 0.48 = 12.83 above, 2.53 more than the 10.30 GB model
+    assert ("whole model in host memory: 10.30 GB with the fp32 islands (the dtypes a bf16 load gives, "
+            "from the checkpoint's headers); its peak RSS is 12.83 GB above the process before loading, "
+            "2.53 GB more than the model") in text
+    # one path, one thread, warm cache, reused: its own figures only
+    text = _flat(_load_section(_load_rows(("new",), threads=1), cache="warm", wrote_s=None))
+    assert "Sharded loading" not in text and "host memory" not in text
+    assert "new: 20.4 s from a warm page cache, peak RSS 0.15x the checkpoint" in text
+    assert "read with 1 thread." in text and "(reused from --dir)" in text and "dropped" not in text
+    # hold all: the placed weights count in RSS too, so no split of the old peak
+    text = _flat(_load_section(_load_rows(("old",)), hold="all"))
+    assert "10.30 GB with the fp32 islands" in text and "above the process" not in text
+    assert load.command(argparse.Namespace(**{**load.DEFAULTS, "cache": "warm", "threads": 1})) == \
+        "python bench/load.py --cache warm --threads 1"
+
+
+def test_load_page_keeps_each_variants_section(tmp_path):
+    from bench import load
+    from bench.presets import write_section
+    page = tmp_path / "load.md"
+    variant = "python bench/load.py --cache warm"
+    write_section(str(page), variant, _load_section(_load_rows(), cmd=variant, cache="warm"),
+                  load.head(), load._rank)
+    write_section(str(page), "python bench/load.py", _load_section(_load_rows()), load.head(), load._rank)
+    text = page.read_text()
+    assert text.startswith("# bench/load.py\n") and "shards of at most 4 GiB" in _flat([text])
+    assert text.index("## `python bench/load.py`") < text.index(f"## `{variant}`")  # default first
+    assert "10.3 GB" not in text and "MALLOC" not in text
+
+
+# --- bench/pareto_report.py: the random-weight page's notes -----------------------------------
+
+def _pareto_rows():
+    from bench import pareto_report as rp
+
+    def r(method, impl, setting, computed, psnr, rel_l2=1e-3):
+        out = rp.row("wan", method, impl, setting)
+        out.update(computed_fraction=computed, psnr_db=psnr, rel_l2=rel_l2, cpu_s=computed)
+        return out
+    sw = "ours FBCache +forecast1 gated step-weighted"
+    return [r("diffusers FBC", "diffusers", "threshold 0.05", 0.42, 74.2),
+            r("diffusers FBC", "diffusers", "threshold 0.1", 0.227, 62.5),
+            r("diffusers FBC", "diffusers", "threshold 0.2", 0.149, 55.7),
+            r("ours FBCache", "ours", "threshold 0.05", 0.42, 74.2),
+            r("ours FBCache", "ours", "threshold 0.1", 0.246, 64.5),
+            r("ours FBCache", "ours", "threshold 0.2", 0.149, 55.6),
+            r(sw, "ours", "threshold 2.1", 0.111, 56.0), r(sw, "ours", "threshold 0.7", 0.169, 63.0),
+            r(sw, "ours", "threshold 0.3", 0.227, 70.4),
+            r("ours FBCache +forecast2 gated", "ours", "threshold 0.07", 0.304, 64.3),
+            r("ours FBCache +forecast2 gated", "ours", "threshold 0.15", 0.265, 70.9),
+            r("ours budgeted", "ours", "rel L2 budget 0.002: FBCache 0.05", 0.42, 74.2, rel_l2=0.001)]
+
+
+def _pareto_notes(rows, unseen_error=0.0012):
+    from types import SimpleNamespace
+
+    from bench import pareto_report as rp
+    fams = [SimpleNamespace(key="wan", title="W", config=SimpleNamespace(num_layers=30, dim=48))]
+    facts = {"wan": {"steps": 50, "spread": 0.04, "blocks": 30, "tokens": 320,
+                     "budget_unseen": [{"kind": "rel_err", "target": 0.002, "rel_l2": unseen_error,
+                                        "computed": 0.4, "seed": 4}]}}
+    return rp.notes(rows, fams, facts)
+
+
+def test_pareto_notes_from_rows():
+    text = " ".join(_pareto_notes(_pareto_rows()).split())
+    assert ("on W (50 steps), the same computed fraction and PSNR at threshold 0.05; elsewhere ours "
+            "against diffusers': threshold 0.1 +0.019 computed, +2.0 dB; threshold 0.2 +0.000 computed, "
+            "-0.1 dB.") in text
+    # our front: 0.111, 0.169, 0.227 step-weighted, 0.265 gated, 0.42 FBCache
+    assert ("The gated curves make 4 of the 5 points of our front on W (FBCache +forecast1 gated "
+            "step-weighted 3, FBCache +forecast2 gated 1, FBCache 1).") in text
+    # FBC's two cheapest front points against the step-weighted curve's cheapest reaching them
+    assert ("its 55.7 dB at 0.149 computed reached at 0.111 (56.0 dB, +0.3); its 62.5 dB at 0.227 "
+            "computed reached at 0.169 (63.0 dB, +0.5).") in text
+    assert ("1 of our 3 curves is not monotonic in the threshold (the widest: W, FBCache +forecast2 gated "
+            "threshold 0.07: 0.304 computed, 64.3 dB; threshold 0.15: 0.265, 70.9 dB)") in text
+    assert "(up to 4% here, the spread above)" in text
+    assert "calibrated on 3 draws" in text and "at most 0.60 of its budget" in text  # 0.0012 / 0.002
+    assert "budgeted mode on 3 others, and is checked on 5" in text
+    assert "the models are tiny (W: 30 blocks of width 48, 320 tokens)" in text
+    for typed in ("0.99 to 1.00", "cos 0.0", "56.3", "2 of 100"):
+        assert typed not in text
+    # other rows read otherwise: the gated curve monotonic, no FBC, a smaller unseen error
+    rows = [r for r in _pareto_rows() if r["method"] != "diffusers FBC"]
+    rows[-2]["psnr_db"] = 60.0
+    text = " ".join(_pareto_notes(rows, unseen_error=0.0004).split())
+    assert "Each of our 3 curves is monotonic in the threshold" in text
+    assert "Check of the harness" not in text and "cheap end" not in text
+    assert "at most 0.50 of its budget" in text  # now the point's own 0.001 / 0.002
