@@ -3,13 +3,14 @@
     python bench/static_schedules.py [--families wan,hunyuan] [--checkpoint PATH] [--prompts 12]
 
 Budgeted mode measures a family of static schedules of the run's own sigmas
-(sampling/budget.static_schedules: every n-th step after the first 1-3, the last 1-3 computed,
-or steps paced by |d sigma| ** 0.25 or 0.5; linear forecast of the reused residual, no probe or
-tail block) on three calibration draws, and `--budget_speedup s` takes the schedule with the
-least error bound among those computing at most 1/s. This bench runs that choice, calibrated
-on draws 1-3 of the trained regime, on held-out prompts it never saw, beside the fixed pattern
-"every n-th step after 2, the last one" at the largest fraction within the same target (what
-SeaCache's cap of 2 reuses and our DeepCache B0 curve settle into). PSNR against the uncached
+(sampling/budget.static_schedules: every n-th step after the first 1-3 or at each phase mod n, the
+last 1-3 computed, steps paced by |d sigma| ** 0.25 or 0.5, or all but every k-th in a middle
+window; linear forecast of the reused residual, no probe or tail block) on three calibration draws,
+and `--budget_speedup s` takes the schedule with the least error bound among those computing at
+most 1/s. This bench runs that choice, calibrated on draws 1-3 of the trained regime, on held-out
+prompts it never saw, beside the fixed pattern "every n-th step after 2, the last one" at the
+largest fraction within the same target (what SeaCache's cap of 2 reuses and our DeepCache B0 curve
+settle into). PSNR against the uncached
 run, pooled over the prompts and as the mean over them. With --checkpoint, a trained tiny model
 from that path (the further held-out model, or one trained elsewhere) in place of the family's
 committed one.
