@@ -4,8 +4,8 @@
     python bench/pareto.py --weights trained [--checkpoint PATH]   # the regime users meet
 
 The workload lives in bench/pareto_workload.py, the peers' adapters in bench/pareto_peers.py,
-the standing, tables, plots and page in bench/pareto_report.py; this file holds the menu of
-methods, budgeted mode's targets and the command.
+the standing, tables and plots in bench/pareto_report.py, the page in bench/pareto_page.py;
+this file holds the menu of methods, budgeted mode's targets and the command.
 
 Tiny-but-deep random-weight DiTs (Wan2.2 TI2V-shaped, then HunyuanVideo-1.5), made smooth in t
 (bench/workload.py), are loaded into our model and, through modules/convert.py, into diffusers'
@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.pareto_page import write_readme  # noqa: E402
 from bench.pareto_peers import (  # noqa: E402
     cachedit_setup,
     diffusers_hook,
@@ -69,7 +70,6 @@ from bench.pareto_report import (  # noqa: E402
     table,
     versions,
     write_csv,
-    write_readme,
 )
 from bench.pareto_workload import (  # noqa: E402
     BUDGET_SEEDS,
