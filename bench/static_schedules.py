@@ -10,10 +10,9 @@ and `--budget_speedup s` takes the schedule with the least error bound among tho
 most 1/s. This bench runs that choice, calibrated on draws 1-3 of the trained regime, on held-out
 prompts it never saw, beside the fixed pattern "every n-th step after 2, the last one" at the
 largest fraction within the same target (what SeaCache's cap of 2 reuses and our DeepCache B0 curve
-settle into). PSNR against the uncached
-run, pooled over the prompts and as the mean over them. With --checkpoint, a trained tiny model
-from that path (the further held-out model, or one trained elsewhere) in place of the family's
-committed one.
+settle into). PSNR against the uncached run, pooled over the prompts and as the mean over them.
+With --checkpoint, a trained tiny model from that path (the further held-out model, or one trained
+elsewhere) in place of the family's committed one.
 """
 
 from __future__ import annotations
