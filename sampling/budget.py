@@ -219,7 +219,7 @@ class Choice:
     fields: dict  # partial CMConfig, as a preset
     bound: float  # the error the choice promises for a draw it has not seen
     computed: float  # mean computed fraction of block evaluations on the calibration draws
-    computed_bound: float  # the most it may compute on a draw it has not seen (computed_bound)
+    computed_bound: float  # the most it may compute on a draw it has not seen
 
 
 # one-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's)
