@@ -37,7 +37,6 @@ import json
 import math
 import os
 import resource
-import shlex
 import shutil
 import subprocess
 import sys
@@ -328,9 +327,8 @@ DEFAULTS = {"model": "wan2.2-ti2v-5b", "layers": None, "paths": "old,new", "hold
 
 def command(args) -> str:
     """The run's command: its flags that change what is measured (not where files go)."""
-    flags = "".join(f" --{k} {shlex.quote(str(getattr(args, k)))}" for k, v in DEFAULTS.items()
-                    if getattr(args, k) != v)
-    return f"python bench/load.py{flags}"
+    from bench.pareto_report import command_line  # lazily: the parent loads no model stack
+    return command_line("load.py", args, DEFAULTS)
 
 
 def _rank(key: str) -> int:

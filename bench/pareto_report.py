@@ -5,10 +5,12 @@ following, the tables, plots and the results page."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import platform
 import re
+import shlex
 
 import torch
 
@@ -306,6 +308,22 @@ def versions(names=("diffusers", "cache_dit")) -> str:
         except Exception as exc:  # noqa: BLE001
             out.append(f"{name.replace('_', '-')} not importable ({type(exc).__name__})")
     return ", ".join(out)
+
+
+def command_line(script: str, args, defaults: dict) -> str:
+    """`python bench/<script>` with the run's flags that differ from `defaults`: what reproduces it."""
+    flags = "".join(f" --{k} {shlex.quote(str(getattr(args, k)))}" for k, v in defaults.items()
+                    if getattr(args, k) != v)
+    return f"python bench/{script}{flags}"
+
+
+def trained_step(weights: str) -> int | None:
+    """The training step recorded beside trained weights (training.json), if any."""
+    try:
+        with open(os.path.join(weights, "training.json")) as f:
+            return json.load(f).get("step")
+    except (OSError, ValueError):
+        return None
 
 
 def not_registered() -> str:

@@ -29,7 +29,6 @@ import dataclasses
 import datetime
 import os
 import re
-import shlex
 import statistics
 import sys
 import time
@@ -448,9 +447,7 @@ def _rank(key: str) -> int:
 
 def command(args) -> str:
     """The command that reproduces the run (its flags that differ from the defaults; --out aside)."""
-    flags = "".join(f" --{k} {shlex.quote(str(getattr(args, k)))}" for k, v in DEFAULTS.items()
-                    if getattr(args, k) != v)
-    return f"python bench/presets.py{flags}"
+    return report.command_line("presets.py", args, DEFAULTS)
 
 
 DEFAULTS = {"steps": 50, "blocks": 16, "scales": ",".join(SIGNAL_SCALES), "backend": "jax",
@@ -523,7 +520,6 @@ def main():
 def main_trained(args, runs, began, load):
     from bench.fixtures.analyser import ATTRIBUTES
     from bench.pareto_workload import trained_families
-    from bench.taylorseer_gap import trained_step
     init = (f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
             f"CFG on; fp32; {args.backend} backend on CPU")
     print(init)
@@ -539,7 +535,7 @@ def main_trained(args, runs, began, load):
         models.append(record(name, header, results, attributes=ATTRIBUTES))
         print("\n" + "\n".join(model_lines(models[-1])))
         path = family.checkpoint or pipe.builtin_path
-        weights.append((os.path.relpath(path, ROOT), trained_step(path)))
+        weights.append((os.path.relpath(path, ROOT), report.trained_step(path)))
     print("\n" + "\n".join(verdict_lines(models)))
     if args.out:
         # one section per checkpoint, however its path was spelt

@@ -68,8 +68,7 @@ def table_row(r: dict) -> str:
 
 
 def command(args) -> str:
-    flags = "".join(f" --{k} {getattr(args, k)}" for k, v in DEFAULTS.items() if getattr(args, k) != v)
-    return f"python bench/sp_scaling.py{flags}"
+    return report.command_line("sp_scaling.py", args, DEFAULTS)
 
 
 def page(title: str, rows: list[dict], cmd: str) -> list[str]:

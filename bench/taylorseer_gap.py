@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -186,18 +185,8 @@ def readings(rows) -> list[str]:
     return out
 
 
-def trained_step(weights: str) -> int | None:
-    """The training step recorded beside the weights (training.json), if any."""
-    try:
-        with open(os.path.join(weights, "training.json")) as f:
-            return json.load(f).get("step")
-    except (OSError, ValueError):
-        return None
-
-
 def command(args) -> str:
-    flags = "".join(f" --{k} {getattr(args, k)}" for k, v in DEFAULTS.items() if getattr(args, k) != v)
-    return f"python bench/taylorseer_gap.py{flags}"
+    return report.command_line("taylorseer_gap.py", args, DEFAULTS)
 
 
 def page(rows, agreement_db: float, *, cmd: str, prompts: int, steps: int, weights: str,
@@ -274,7 +263,7 @@ def main(argv=None) -> int:
                             remodulate=remodulate, steps=wl.steps))
     weights = wl.family.checkpoint or wl.pipe.builtin_path
     lines = page(rows, agreement, cmd=command(args), prompts=len(seeds), steps=wl.steps,
-                 weights=os.path.relpath(weights, ROOT), step=trained_step(weights))
+                 weights=os.path.relpath(weights, ROOT), step=report.trained_step(weights))
     write_page(args.out, lines)
     return 0
 

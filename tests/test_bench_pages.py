@@ -81,9 +81,10 @@ def test_taylorseer_readings_follow_the_rows():
 
 
 def test_taylorseer_trained_step(tmp_path):
-    assert tg.trained_step(str(tmp_path)) is None
+    from bench.pareto_report import trained_step
+    assert trained_step(str(tmp_path)) is None
     (tmp_path / "training.json").write_text(json.dumps({"step": 77}))
-    assert tg.trained_step(str(tmp_path)) == 77
+    assert trained_step(str(tmp_path)) == 77
 
 
 def test_sp_scaling_page(tmp_path):
