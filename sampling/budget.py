@@ -377,8 +377,10 @@ def computed_bound(computed) -> float:
     let a speedup target slip on unseen draws (0.501 computed for speedup 2 on the held-out Wan)."""
     n = len(computed)
     mean = sum(computed) / n
-    if n < 2:
-        return mean
+    if n < 2 or min(computed) == max(computed):
+        # the same on every draw (a static schedule): exactly that, where the summed mean can
+        # land an ulp above it and lose a speedup it meets exactly (0.2 for speedup 5)
+        return max(computed)
     spread = math.sqrt(sum((x - mean) ** 2 for x in computed) / (n - 1))
     return min(1.0, max(max(computed), mean + t95(n - 1) * spread * math.sqrt(1.0 + 1.0 / n)))
 
@@ -398,5 +400,5 @@ def choose(budget: dict, *, rel_err: float | None = None,
     if rel_err is not None:
         within = [c for c in choices if c.bound <= rel_err]
         return min(within, key=lambda c: (c.computed, c.bound), default=None)
-    fast = [c for c in choices if c.computed_bound <= 1.0 / speedup]
+    fast = [c for c in choices if c.computed_bound * speedup <= 1.0 + 1e-9]
     return min(fast, key=lambda c: (c.bound, c.computed), default=None)

@@ -152,6 +152,18 @@ def test_a_speedup_is_promised_by_a_bound_on_the_computed_fraction():
         (0.95 / 3) + 2.920 * (0.05 / 3 ** 0.5) * (4 / 3) ** 0.5)
     assert computed_bound([0.95, 1.0, 0.9]) == 1.0  # never past every block
     assert computed_bound([0.4]) == 0.4
+    # three equal fractions sum to an ulp above three times one: still exactly the fraction
+    assert computed_bound([0.2, 0.2, 0.2]) == 0.2
+
+
+def test_a_static_schedule_meets_a_speedup_it_hits_exactly():
+    """10 of 50 steps is speedup 5 exactly; the float sum of the draws put it an ulp past 1/5
+    and budgeted mode took a worse 9-step schedule instead (issue 39)."""
+    from sampling.budget import choose
+    ten = candidate("ten of fifty", [0.1, 0.1, 0.1], [0.2, 0.2, 0.2])
+    nine = candidate("nine of fifty", [0.3, 0.3, 0.3], [0.18, 0.18, 0.18])
+    assert choose({"candidates": [ten, nine]}, speedup=5.0).label == "ten of fifty"
+    assert choose({"candidates": [ten, nine]}, speedup=5.01).label == "nine of fifty"
 
 
 def test_a_configuration_that_never_skipped_is_not_a_choice():
