@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,6 +31,7 @@ from compat.torchax_compat import import_torchax
 from modules import ops
 
 from . import layout
+from .device_order import device_grid
 from .layout import Layout
 
 _interop = import_torchax().interop
@@ -48,7 +48,8 @@ def default_weights(mesh) -> str:
 
 
 def make_mesh(sp: int = 1, cfg: int = 1, devices=None) -> Mesh:
-    """A (cfg, sp) mesh of Auto axes over the first cfg * sp devices."""
+    """A (cfg, sp) mesh of Auto axes over the first cfg * sp devices, on a TPU slice laid out by
+    the chips' coordinates so each sp ring runs over ICI neighbours (`device_order.device_grid`)."""
     job = devices is None
     devices = list(jax.devices() if devices is None else devices)
     for name, size in (("sp", sp), ("cfg", cfg)):
@@ -66,7 +67,7 @@ def make_mesh(sp: int = 1, cfg: int = 1, devices=None) -> Mesh:
         raise ValueError(f"a job of {jax.process_count()} hosts runs one mesh over all "
                          f"{len(devices)} of their devices; sp={sp} x cfg={cfg} covers "
                          f"{sp * cfg}: expected sp x cfg = {len(devices)}")
-    return Mesh(np.array(devices[: sp * cfg]).reshape(cfg, sp), AXES)
+    return Mesh(device_grid((cfg, sp), devices[: sp * cfg]), AXES)
 
 
 def _pad_to(x, axis: int, multiple: int, value=0):

@@ -19,7 +19,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 from modules.vae import VAES, spec_for
@@ -77,9 +76,11 @@ def run(args) -> dict:
 
     from jax.sharding import Mesh
 
+    from sharding.device_order import device_grid
+
     from .vae import AXIS, ROWS, JaxVaeDecoder, split_plan
     rows, split = split_plan(latent_shape[3], latent_shape[4], len(devices))
-    mesh = Mesh(np.array(devices[:rows]), (AXIS,))
+    mesh = Mesh(device_grid((rows,), devices[:rows]), (AXIS,))  # as tpu.vae_plan.make_mesh
     decoder = JaxVaeDecoder(vae, mesh, abstract=True, frames_per_call=per_call)
     began = time.perf_counter()
     first, steady = decoder.prepare(tuple(latent_shape))

@@ -27,14 +27,17 @@ import torch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sharding.device_order import device_grid
+
 AXIS = "s"  # the mesh axis the frame's rows (or columns) are split over
 ROWS, COLUMNS = 3, 4  # the split dimension of [B, C, T, H, W]
 
 
 def make_mesh(devices: int | None = None) -> Mesh:
-    """A 1-D mesh over the first `devices` of this process's devices (default: all of them)."""
+    """A 1-D mesh over the first `devices` of this process's devices (default: all of them), on a
+    TPU in ICI-neighbour order, so the shards that trade rows sit on neighbouring chips."""
     devs = jax.local_devices()[: devices or len(jax.local_devices())]
-    return Mesh(np.array(devs), (AXIS,))
+    return Mesh(device_grid((len(devs),), devs), (AXIS,))
 
 
 def split_plan(latent_height: int, latent_width: int, devices: int) -> tuple[int, int]:
