@@ -311,7 +311,8 @@ def preset_lines() -> list[str]:
         if f.get("forecast"):
             parts.append(f"forecast order {f['forecast']} of the reused residual")
         if (f.get("limits") or {}).get("max_continuous"):
-            parts.append(f"at most {f['limits']['max_continuous']} reuses in a row")
+            n = f['limits']['max_continuous']
+            parts.append("never two reuses in a row" if n == 1 else f"at most {n} reuses in a row")
         if f.get("cfg_sep_diff") is False:
             parts.append("uncond borrows cond's change")
         if f.get("scene_guard"):

@@ -218,7 +218,8 @@ def test_presets_page_keeps_each_modes_section(tmp_path):
     assert "again" in text and "second" not in text and "first" in text and "third" in text
     assert text.startswith("# bench/presets.py\n")
     assert "- `safe`: TeaCache threshold 1.5 times the mean change so far (relative); every call " \
-           "computes over the last 40 percent of the schedule; tail blocks always run: 2." in text
+           "computes over the last 40 percent of the schedule; tail blocks always run: 2; forecast order 1 " \
+           "of the reused residual; never two reuses in a row." in text
     assert [p.name for p in tmp_path.iterdir()] == ["presets.md"]  # no temporary left
     # a whole section from rows goes in the same way
     ps.write_section(str(page), "random", ps.random_section(models, cmd="c", elapsed=1.0, loads=(0, 0),
