@@ -286,6 +286,7 @@ def run(args) -> dict:
     jobs[0].resolve(None)
     stage3_args = stage3.build_parser().parse_args([])
     stage3_args.vae_path, stage3_args.fps = args.vae_path, args.fps
+    stage3_args.compile_cache_dir = args.compile_cache_dir  # one cache for both stages
     if args.fps is not None:
         from sampling.cli import as_number
         as_number("--fps", args.fps, minimum=stage3.MIN_FPS, maximum=stage3.MAX_FPS)

@@ -26,7 +26,7 @@ from modules.checkpoint import CheckpointError, model_fingerprint, reader_finger
 from modules.layers import ModelConfigError
 from sampling import progress
 from sampling.budget import BudgetError
-from sampling.cli import CommandParser, UsageError, command
+from sampling.cli import CommandParser, UsageError, add_compile_cache_flag, command
 from sampling.clips import decode_inputs, decode_metadata, sample_clips
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, PIPELINES
@@ -46,7 +46,7 @@ from .stage2_backend import (
     open_models,
     torch_parallel,
 )
-from .stage2_report import build_report, compare_report, format_summary, speedup_remarks
+from .stage2_report import build_report, compare_report, compile_counts, format_summary, speedup_remarks
 from .stage2_resolve import check_prompt_used, resolve
 
 
@@ -91,10 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup_steps", type=int, default=1,
                    help="warm-up rounds before the timed loop; each runs every program once "
                         "(default 1)")
-    g.add_argument("--compile_cache_dir", default=None,
-                   help="persistent JAX compilation cache: a folder, or a bucket URL (gs://...) "
-                        "that every host of a slice shares (default "
-                        "~/.cache/dit-feature-cache/jax; 'none' turns it off)")
+    add_compile_cache_flag(g)
     g = parser.add_argument_group("parallel")
     g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
                    help="sequence-parallel group size: devices (JAX) or processes (torchrun) "
@@ -266,6 +263,9 @@ def sample_and_write(spec: RunSpec, backend, writer: bool,
                                      warmup_rounds=0)
         report["compare"] = compare_report(traj, base, latents, reference, noise)
     report["warnings"] += speedup_remarks(report)
+    # everything this process compiled so far (loading, warm-up, loop, --compare), whose
+    # `compiled` (not served by the persistent cache) a second run keeps at 0
+    report["compiles"]["process"] = compile_counts(backend.compile_counts())
     if opened is not None and opened.load is not None:
         report["load"] = opened.load
     report["writer"] = writer

@@ -116,10 +116,10 @@ def make_backend(launch: Launch, models, plan, layout=None, checkpoints=None):
         device = layout.device if layout is not None else _torch_device(launch.device)
         return TorchBackend(models, plan, device, compile=launch.torch_compile,
                             offload_model=launch.offload_model, layout=layout)
+    from tpu.compile import cache_dir_of, enable_compile_cache
+    # before tpu.backend is imported: importing torchax already compiles (its random key)
+    enable_compile_cache(cache_dir_of(launch.compile_cache_dir))
     from tpu.backend import JaxBackend
-    from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
-    cache_dir = launch.compile_cache_dir if launch.compile_cache_dir is not None else DEFAULT_CACHE_DIR
-    enable_compile_cache(None if cache_dir.lower() == "none" else cache_dir)
     mesh = None
     if launch.sp_size > 1 or launch.cfg_parallel or launch.multihost:
         from sharding.jax_sp import make_mesh

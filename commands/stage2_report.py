@@ -21,7 +21,7 @@ def _bytes(n: int) -> str:
 
 
 def compile_counts(c):
-    return None if c is None else {"lowered": c.lowered, "backend": c.backend, "cache_hits": c.cache_hits}
+    return None if c is None else c.to_dict()
 
 
 def estimate_speedup(step_seconds, step_computed, loop_seconds) -> float | None:
@@ -246,7 +246,9 @@ def format_summary(report: dict) -> str:
         lines.append(f"compiles: none (eager); warm-up {c['warmup_seconds']:.1f} s")
     else:
         lines.append(f"compiles: warm-up {w['lowered']} ({c['warmup_seconds']:.1f} s, "
-                     f"{w['cache_hits']} from the persistent cache), loop {lp['lowered']}")
+                     f"{w['cache_hits']} from the persistent cache), loop {lp['lowered']}"
+                     + (f"; {c['process']['compiled']} compiled by XLA in all"
+                        if c.get("process") else ""))
     lines.append(f"time: loop {t['loop_seconds']:.2f} s; full step {_ms(t['full_step_seconds'])} "
                  f"x{t['full_steps']}, cached step {_ms(t['cached_step_seconds'])} x{t['cached_steps']}"
                  f"; signal reads {t['signal_reads']}")

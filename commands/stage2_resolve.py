@@ -367,18 +367,8 @@ def _check_outputs(args) -> Outputs:
     if args.plot_png is not None:
         require_pyplot()
     if args.backend == "jax":
-        cache_dir = args.compile_cache_dir
-        if cache_dir is None:
-            from tpu.compile import DEFAULT_CACHE_DIR
-            cache_dir = DEFAULT_CACHE_DIR
-        from tpu.compile import check_remote, is_remote
-        if is_remote(cache_dir):  # a bucket: JAX reaches it itself, if it can
-            problem = check_remote(cache_dir)
-            if problem is not None:
-                raise UsageError(f"--compile_cache_dir {problem}")
-        elif cache_dir.lower() != "none":
-            check_writable(cache_dir, "--compile_cache_dir",
-                           hint=" (or 'none' to run without the persistent compilation cache)")
+        from tpu.compile import check_cache_dir
+        check_cache_dir(args.compile_cache_dir)
     return Outputs(output_dir=output_dir, telemetry_json=args.telemetry_json,
                    telemetry_csv=args.telemetry_csv, plot_png=args.plot_png,
                    tensorboard_dir=args.tensorboard_dir, compare=args.compare,

@@ -38,7 +38,7 @@ from modules.vae import (
     spec_for,
     to_vae_latents,
 )
-from sampling.cli import CommandParser, UsageError, as_int, as_number, command
+from sampling.cli import CommandParser, UsageError, add_compile_cache_flag, as_int, as_number, command
 from sampling.clips import clip_decodes
 from sampling.one_writer import one_writer
 from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--patch_parallel, --tiled or torchrun ask for it, else jax")
     g.add_argument("--device", help="torch backend: cpu, cuda or npu (default: cuda if "
                    "present, else cpu; with torchrun, the local rank's device)")
+    add_compile_cache_flag(g)
     g = parser.add_argument_group("parallel")
     g.add_argument("--patch_parallel", action="store_true",
                         help="split the frame over the torchrun ranks (WORLD_SIZE > 1): halo "
@@ -186,6 +187,10 @@ def resolve(args) -> dict:
     if args.tile_size is not None and not args.tiled:
         raise UsageError("--tile_size needs --tiled")
     backend = _backend(args, world)
+    compile_cache_dir = None
+    if backend == "jax":  # as stage 2's
+        from tpu.compile import check_cache_dir
+        compile_cache_dir = check_cache_dir(args.compile_cache_dir)
     if args.fps is not None:
         fps = as_number("--fps", args.fps, minimum=MIN_FPS, maximum=MAX_FPS)
     elif config.get("fps") is not None:
@@ -196,7 +201,7 @@ def resolve(args) -> dict:
     check_writable(output_dir, "--output_dir", (VIDEO, CONFIG))
     return dict(pipe=pipe, latents=latents, config=config, size=(frames, height, width), fps=fps,
                 output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid, backend=backend,
-                clips=clips)
+                clips=clips, compile_cache_dir=compile_cache_dir)
 
 
 def _s2v_clips(pipe, tensors, metadata, source):
@@ -360,10 +365,13 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
     devices, its compiled programs) is kept for the next decode of the job, by device count."""
     import jax
 
-    from tpu.compile import DEFAULT_CACHE_DIR, enable_compile_cache
+    from tpu.compile import enable_compile_cache
+
+    # as stage 2, and before tpu.vae is imported (importing torchax compiles): the next run
+    # finds every program in the persistent cache
+    enable_compile_cache(r["compile_cache_dir"])
     from tpu.vae import JaxVaeDecoder, make_mesh, mesh_size
 
-    enable_compile_cache(DEFAULT_CACHE_DIR)  # as stage 2: the next run reuses the programs
     pipe, latents = r["pipe"], r["latents"]
     vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
     # this process's own devices: on a multi-host slice process 0 decodes alone (the
@@ -382,7 +390,8 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
     # the host copy of a JAX array is read-only; torch wants to own a writable one
     frames = decode_frames(lambda z: torch.from_numpy(np.array(decoder.decode(z))), vae, r)
     seconds = time.perf_counter() - compiled
-    loop = decoder.compile_counts() - before
+    after = decoder.compile_counts()
+    loop = after - before
     d = jax.local_devices()[0]
     with warnings.catch_warnings():
         # ffmpeg starts by fork + exec, which runs no JAX code in the child: JAX's warning about
@@ -394,6 +403,10 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
                                    stage3_compile_time=round(compiled - began, 3)))
     report["loop_compiles"] = loop.lowered
     report["prepare_compiles"] = (before - cold).lowered  # 0 for a decoder kept from a decode before
+    # as stage 2's `compiles`; `process`: everything this process compiled so far, whose
+    # `compiled` (not served by the persistent cache) a second run keeps at 0
+    report["compiles"] = {"prepare": (before - cold).to_dict(), "loop": loop.to_dict(),
+                          "process": after.to_dict()}
     return report
 
 
@@ -452,8 +465,9 @@ def format_summary(report: dict) -> str:
              + f" in {report['decode_seconds']:.2f} s on {report['ranks']} rank(s)"
              + (f", patch grid {report['grid'][0]}x{report['grid'][1]}" if report["grid"] else "")
              + (", tiled" if report["tiled"] else "")
-             + (f"; loop compiles {report['loop_compiles']}" if "loop_compiles" in report
-                else "")]
+             + (f"; loop compiles {report['loop_compiles']}, "
+                f"{report['compiles']['process']['compiled']} compiled by XLA in all"
+                if "compiles" in report else "")]
     if "video" in report:
         f, h, w = report["video"]
         lines.append(f"video: {f} frames {w}x{h} at {report['fps']:g} fps"

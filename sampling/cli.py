@@ -153,6 +153,15 @@ class CommandParser(argparse.ArgumentParser):
         return super().format_help()
 
 
+def add_compile_cache_flag(group) -> None:
+    """--compile_cache_dir, alike in every command that runs JAX (resolved by
+    `tpu.compile.check_cache_dir`)."""
+    group.add_argument("--compile_cache_dir", default=None,
+                       help="persistent JAX compilation cache: a folder, or a bucket URL (gs://...) "
+                            "that every host of a slice shares (default "
+                            "~/.cache/dit-feature-cache/jax; 'none' turns it off)")
+
+
 class _HelpAll(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser._print_message(parser.format_help_all(), sys.stdout)

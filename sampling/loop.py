@@ -22,12 +22,22 @@ from .stages import SignalPlan
 
 @dataclass(frozen=True)
 class CompileCounts:
-    """Programs compiled: `lowered` traced and lowered in this process, `backend` compiled by the
-    backend compiler, `cache_hits` of those served by a persistent cache."""
+    """Programs compiled: `lowered` traced and lowered in this process, `backend` handed to the
+    backend compiler, `cache_hits` of those served by a persistent cache; `compiled` (the rest)
+    the ones the compiler really compiled, which a run with a warm cache keeps at 0."""
 
     lowered: int = 0
     backend: int = 0
     cache_hits: int = 0
+
+    @property
+    def compiled(self) -> int:
+        return self.backend - self.cache_hits
+
+    def to_dict(self) -> dict[str, int]:
+        """The counts as the commands report them (stage 2's `compiles`, stage 3's)."""
+        return {"lowered": self.lowered, "backend": self.backend, "cache_hits": self.cache_hits,
+                "compiled": self.compiled}
 
     def __sub__(self, other: "CompileCounts") -> "CompileCounts":
         return CompileCounts(self.lowered - other.lowered, self.backend - other.backend,

@@ -42,12 +42,14 @@ def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path
     assert meta["deepcache_enabled"] == "true" and meta["cache_start_step"] == "11"
     assert config["num_inference_steps"] == 50 and config["synthetic_inputs"] is False
     assert config["prompt"] == DEFAULT_PROMPT  # stage 3 and a rerun read it as stage 1's
-    # a second process finds every stage program in the persistent compilation cache
+    # a second process, of fewer steps, finds every program in the persistent compilation cache
+    # (the same run twice: tests/test_compile_cache.py)
     out = cli("--enable_cache", "--num_inference_steps", "4", "--telemetry_json", "t2.json",
               "--compile_cache_dir", str(tmp_path / "jax-cache"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     compiles = json.loads((tmp_path / "t2.json").read_text())["compiles"]
     assert compiles["warmup"]["cache_hits"] >= 3 and compiles["loop"]["lowered"] == 0
+    assert compiles["process"]["compiled"] == 0 and "0 compiled by XLA in all" in out.stdout
 
 
 def _latents(argv, given=None):

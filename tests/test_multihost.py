@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "wan-tiny-ti2v"
 ARGS = ["--model", MODEL, "--num_inference_steps", "1", "--sp_size", "4", "--cfg_parallel",
         "--enable_cache", "--compile_cache_dir", "none", "--no_progress"]
-COUNTED = str(ROOT / "tests" / "counted_stage2.py")  # the command, its checkpoint reads recorded
+COUNTED = str(ROOT / "tests" / "counted_stage2.py")  # the command, its reads and compiles recorded
 
 
-def _env(devices: int) -> dict:
+def cpu_env(devices: int) -> dict:
     # LLVM's cheapest code generation halves the compiles here; every run has it alike
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
@@ -37,7 +37,7 @@ def _env(devices: int) -> dict:
     return env
 
 
-def _port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,15 +81,15 @@ def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_pa
     args = [*ARGS, "--model_path", str(ckpt)]
     reads = [tmp_path / f"reads{i}.json" for i in ("one", 0, 1)]
     one = subprocess.Popen([sys.executable, COUNTED, str(reads[0]), *args, "--output_dir",
-                            str(tmp_path / "one")], env=_env(8), stdout=subprocess.PIPE,
+                            str(tmp_path / "one")], env=cpu_env(8), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    address = f"127.0.0.1:{_port()}"
+    address = f"127.0.0.1:{free_port()}"
     out, telemetry = tmp_path / "two", tmp_path / "t.json"
     procs = [subprocess.Popen(
         [sys.executable, COUNTED, str(reads[1 + i]), *args, "--multihost", "--coordinator_address",
          address, "--num_processes", "2", "--process_id", str(i), "--output_dir", str(out),
          "--telemetry_json", str(telemetry)],
-        env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+        env=cpu_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     results = [p.communicate(timeout=600) for p in (one, *procs)]
     for p, (_, err) in zip((one, *procs), results, strict=True):
         assert p.returncode == 0, err[-2000:]
@@ -114,7 +114,8 @@ def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_pa
     everything = _own_rows(headers, 0, processes=1)
     for path, expected in ((reads[0], everything), (reads[1], _own_rows(headers, 0)),
                            (reads[2], _own_rows(headers, 1))):
-        done = [(file, offset, offset + n) for file, offset, n in json.loads(path.read_text())]
+        done = [(file, offset, offset + n)
+                for file, offset, n in json.loads(path.read_text())["reads"]]
         assert _merged(done) == expected, path.name
         assert sum(end - begin for _, begin, end in done) == sum(
             end - begin for spans in expected.values() for begin, end in spans), path.name
@@ -126,13 +127,13 @@ def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_pa
 
 
 def _generate_two_hosts(out, prompts, *extra):
-    address = f"127.0.0.1:{_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, str(ROOT / "generate.py"), "--prompts", str(prompts), "--output_dir",
          str(out), "--enable_cache", "--no_progress", "--num_inference_steps", "4",
          "--compile_cache_dir", "none", "--multihost", "--coordinator_address", address,
          "--num_processes", "2", "--process_id", str(i), "--cfg_parallel", *extra],
-        env=_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in (0, 1)]
     results = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, results, strict=True):
@@ -167,13 +168,13 @@ def test_a_preempted_two_host_batch_resumes_as_one_host_does(tmp_path):
 
 def test_a_mesh_that_leaves_a_host_without_work_is_one_line(tmp_path):
     """Was: a traceback from JAX placing weights on a host with no device in the mesh."""
-    address = f"127.0.0.1:{_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
         [sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"), "--model", MODEL,
          "--num_inference_steps", "1", "--compile_cache_dir", "none", "--no_progress",
          "--multihost", "--coordinator_address", address, "--num_processes", "2", "--process_id",
          str(i), "--output_dir", str(tmp_path / "out")],
-        env=_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in (0, 1)]
     results = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], results

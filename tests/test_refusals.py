@@ -227,18 +227,31 @@ def test_a_file_name_held_by_a_folder_is_refused_before_sampling(tmp_path, capsy
     assert listing(tmp_path) == ["out", f"out/{name}"]
 
 
+def _command(name, folder):
+    """(main, its leading flags) of stage 2, or of stage 3 on a stage-2 folder made in `folder`."""
+    if name == "stage2":
+        return stage2.main, []
+    stage2_dir(folder / "in")
+    return stage3.main, ["--input_dir", str(folder / "in")]
+
+
+@pytest.mark.parametrize("command", ["stage2", "stage3"])
 def test_a_compile_cache_dir_that_is_a_file_or_cannot_be_made_is_refused(tmp_path, monkeypatch,
-                                                                         capsys):
+                                                                         capsys, command):
+    """Alike in stage 2 and stage 3 (one resolution, tpu.compile.check_cache_dir)."""
     monkeypatch.chdir(tmp_path)
+    main, argv = _command(command, tmp_path)
     (tmp_path / "file").write_text("x")
-    refused(stage2.main, ["--compile_cache_dir", "file"], capsys,
+    before = snapshot(tmp_path)
+    refused(main, [*argv, "--compile_cache_dir", "file"], capsys,
             "--compile_cache_dir file exists and is not a directory",
             "or 'none' to run without the persistent compilation cache")
-    refused(stage2.main, ["--compile_cache_dir", "file/jax"], capsys,
+    refused(main, [*argv, "--compile_cache_dir", "file/jax"], capsys,
             "--compile_cache_dir file/jax:", "is a file")
-    refused(stage2.main, ["--compile_cache_dir", f"{UNWRITABLE}/jax"], capsys,
+    refused(main, [*argv, "--compile_cache_dir", f"{UNWRITABLE}/jax"], capsys,
             f"--compile_cache_dir {UNWRITABLE}/jax is not writable")
-    assert listing(tmp_path) == ["file"]
+    refused(main, [*argv, "--compile_cache_dir", ""], capsys, "--compile_cache_dir '': expected a path")
+    assert snapshot(tmp_path) == before
 
 
 @pytest.mark.parametrize("flag, module, package", [
@@ -254,16 +267,19 @@ def test_a_sink_whose_package_does_not_import_is_refused_with_the_install_line(
     assert listing(tmp_path) == []
 
 
+@pytest.mark.parametrize("command", ["stage2", "stage3"])
 def test_a_bucket_compile_cache_without_etils_is_refused_with_the_install_line(
-        tmp_path, monkeypatch, capsys):
+        tmp_path, monkeypatch, capsys, command):
     """--compile_cache_dir gs://...: JAX reaches a bucket through etils.epath; without it the
     run stops before any work, saying what to install (requirements-tpu.txt has it)."""
     monkeypatch.chdir(tmp_path)
+    main, argv = _command(command, tmp_path)
+    before = snapshot(tmp_path)
     monkeypatch.setitem(sys.modules, "etils", None)  # import now raises ImportError
-    refused(stage2.main, ["--compile_cache_dir", "gs://bucket/jax-cache"], capsys,
+    refused(main, [*argv, "--compile_cache_dir", "gs://bucket/jax-cache"], capsys,
             "--compile_cache_dir gs://bucket/jax-cache is a bucket URL",
             "pip install 'etils[epath,epath-gcs]'")
-    assert listing(tmp_path) == []
+    assert snapshot(tmp_path) == before
 
 
 def _enospc(*args, **kwargs):

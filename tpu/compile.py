@@ -4,7 +4,11 @@ The counter listens to jax.monitoring events, so it sees every program JAX lower
 programs, the small helpers and any stray eager op. A lowering happens even when the persistent
 cache then supplies the executable, so `lowered` counts compiles the way a user means it
 ("this shape was traced and compiled in this process"); `cache_hits` says how many of those the
-persistent cache served.
+persistent cache served. What the XLA compiler really compiled is `backend - cache_hits`
+(`CompileCounts.compiled`): in jax 0.10.2 every compile goes through one call,
+pxla._cached_compilation, which records BACKEND_EVENT once around compiler.compile_or_get_cached,
+and that records HIT_EVENT exactly when it returns the cache's executable instead of compiling.
+(JAX's own '/jax/compilation_cache/cache_misses' counts cache writes, which only process 0 makes.)
 """
 
 from __future__ import annotations
@@ -14,11 +18,16 @@ import pathlib
 import threading
 import time
 import uuid
+import warnings
 
 import jax
 from jax._src import compilation_cache as jax_compilation_cache
+from jax._src import compiler as jax_compiler
 
+from sampling.errors import UsageError
 from sampling.loop import CompileCounts
+from sampling.run_spec import check_path
+from sampling.stage_io import check_writable
 
 LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 BACKEND_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -55,7 +64,8 @@ _COUNTER: _Counter | None = None
 
 
 def compile_counts() -> CompileCounts:
-    """Totals since the counter was installed (installed on first call)."""
+    """Totals since the counter was installed: on first call, which importing `tpu` makes, so
+    a command's totals cover its whole run."""
     global _COUNTER
     if _COUNTER is None:
         _COUNTER = _Counter()
@@ -138,6 +148,65 @@ def write_whole_entries() -> None:
         _write_whole_entries(jax_compilation_cache._cache)
 
 
+# --- entries only this process can write: JAX writes the persistent cache from process 0 alone
+# (compiler._cache_write, jax 0.10.2), so that the hosts of a slice do not all write the same
+# entry of a program they share (contention on a bucket). But a program on one process's own
+# devices has a key of its own (its device ids are in the compile options; JAX strips them on
+# GPU only), and on CPU every key is the process's own (the CPU topology fingerprint in it differs
+# per process): no other process ever writes those, so processes other than 0 compiled them again
+# on every run. Here each process writes them itself; programs shared across processes are still
+# written by process 0 alone. Remove once JAX writes such entries from every process.
+
+_COMPILING = threading.local()  # the devices of the program being compiled on this thread
+
+
+def _own_key(backend, devices) -> bool:
+    """Whether no other process can make this program's cache key."""
+    if backend.platform == "cpu":
+        return True
+    if backend.platform == "gpu" or devices is None:
+        return False
+    return {d.process_index for d in devices.flat} == {jax.process_index()}
+
+
+def _noting_devices(compile_or_get_cached):
+    def compile_noted(backend, computation, devices, *args, **kwargs):
+        _COMPILING.devices = devices
+        try:
+            return compile_or_get_cached(backend, computation, devices, *args, **kwargs)
+        finally:
+            _COMPILING.devices = None
+    compile_noted.own_entries = True
+    return compile_noted
+
+
+def _writing_own_entries(cache_write):
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if jax.process_index() == 0 or host_callbacks \
+                or not _own_key(backend, getattr(_COMPILING, "devices", None)):
+            return  # written above (process 0), or never (as JAX: host callbacks), or shared
+        try:
+            jax_compilation_cache.put_executable_and_time(cache_key, module_name, executable,
+                                                          backend, int(compile_time_secs))
+        except Exception as exc:  # noqa: BLE001 - as JAX: a cache that cannot be written warns
+            warnings.warn(f"Error writing persistent compilation cache entry for '{module_name}': "
+                          f"{type(exc).__name__}: {exc}", stacklevel=2)
+    write.own_entries = True
+    return write
+
+
+def write_own_entries() -> None:
+    """Make every process write the cache entries no other process can write for it. A JAX
+    without these internals is left as it is."""
+    compile_fn = getattr(jax_compiler, "compile_or_get_cached", None)
+    cache_write = getattr(jax_compiler, "_cache_write", None)
+    if compile_fn is None or cache_write is None or getattr(cache_write, "own_entries", False):
+        return
+    jax_compiler.compile_or_get_cached = _noting_devices(compile_fn)
+    jax_compiler._cache_write = _writing_own_entries(cache_write)
+
+
 def is_remote(directory: str) -> bool:
     """A bucket URL (gs://bucket/path, ...), which JAX reads and writes through etils.epath,
     rather than a local or mounted folder (file:// counts as local, as in JAX)."""
@@ -155,6 +224,34 @@ def check_remote(directory: str) -> str | None:
     return None
 
 
+FLAG = "--compile_cache_dir"  # the commands' flag (sampling.cli.add_compile_cache_flag)
+
+
+def cache_dir_of(flag: str | None) -> str | None:
+    """The folder or bucket URL --compile_cache_dir names: the default for None, no persistent
+    cache (None) for 'none'."""
+    if flag is None:
+        return DEFAULT_CACHE_DIR
+    return None if flag.lower() == "none" else flag
+
+
+def check_cache_dir(flag: str | None) -> str | None:
+    """`cache_dir_of(flag)`, refused (UsageError, StageFileError) before any work where JAX could
+    not use it: an empty path, a bucket URL without etils, a folder that cannot be written."""
+    check_path(FLAG, flag)
+    directory = cache_dir_of(flag)
+    if directory is None:
+        return None
+    if is_remote(directory):  # a bucket: JAX reaches it itself, if it can
+        problem = check_remote(directory)
+        if problem is not None:
+            raise UsageError(f"{FLAG} {problem}")
+    else:
+        check_writable(directory, FLAG,
+                       hint=" (or 'none' to run without the persistent compilation cache)")
+    return directory
+
+
 def enable_compile_cache(directory: str | None) -> str | None:
     """Turn the persistent compilation cache on (None: leave it off). Returns the directory. A
     bucket URL (gs://...) is handed to JAX as it is: every host of a slice then reads the
@@ -169,8 +266,11 @@ def enable_compile_cache(directory: str | None) -> str | None:
         os.makedirs(directory, exist_ok=True)
         remove_empty_entries(directory)
     write_whole_entries()
+    write_own_entries()
     jax.config.update("jax_compilation_cache_dir", directory)
-    # Cache every program, however small or fast to compile: warm-up is the cost we remove.
+    # Cache every program, however small or fast to compile: warm-up is the cost we remove, and
+    # JAX's default (no entry for a compile under 1 s) skips most programs of the tiny models and
+    # every eager helper, which a second run would then compile again.
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return directory

@@ -1,0 +1,90 @@
+"""A second run with the persistent compilation cache compiles nothing: stage 2 and stage 3 on the
+tiny default model, one process each, and a two-process stage 2. Each run is a fresh process;
+`compiled` is what the XLA compiler compiled in it, not served by the cache (tpu/compile.py), so
+the first run's count is above 0 and the second's is 0. Every compile of a first run leaves one
+entry in the folder (none is skipped by JAX's size or compile-time thresholds, none by process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_multihost import COUNTED, ROOT, cpu_env, free_port
+
+STAGE2 = [sys.executable, str(ROOT / "stage2_transformer_flax_deepcache.py"), "--enable_cache",
+          "--num_inference_steps", "2", "--no_progress"]
+STAGE3 = [sys.executable, str(ROOT / "stage3_vae_decode.py"), "-q"]
+
+
+def _run(argv, report):
+    """The process's report (its telemetry or summary JSON) after it ran argv."""
+    done = subprocess.run([*argv, str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def stage2_twice(tmp_path_factory):
+    """(the two runs' reports, the first run's folder, the cache folder)."""
+    tmp = tmp_path_factory.mktemp("stage2")
+    cache = tmp / "jax-cache"
+    reports = [_run([*STAGE2, "--compile_cache_dir", str(cache), "--output_dir", str(tmp / f"out{i}"),
+                     "--telemetry_json"], tmp / f"t{i}.json") for i in (1, 2)]
+    return reports, tmp / "out1", cache
+
+
+def _entries(cache) -> int:
+    return len(os.listdir(cache))
+
+
+def test_a_second_stage2_run_compiles_nothing(stage2_twice):
+    (first, second), _, cache = stage2_twice
+    compiled = [r["compiles"]["process"]["compiled"] for r in (first, second)]
+    assert compiled[0] > 0 and compiled[1] == 0, compiled
+    assert _entries(cache) == compiled[0]  # each compile written once, by the first run
+    assert second["compiles"]["process"]["cache_hits"] == first["compiles"]["process"]["backend"]
+
+
+def test_a_second_stage3_run_compiles_nothing(stage2_twice, tmp_path):
+    """On stage 2's latents, into stage 2's cache folder (as the default folder is shared)."""
+    _, latents, cache = stage2_twice
+    before = _entries(cache)
+    reports = [_run([*STAGE3, "--input_dir", str(latents), "--output_dir", str(tmp_path / f"v{i}"),
+                     "--compile_cache_dir", str(cache), "--summary_json"], tmp_path / f"s{i}.json")
+               for i in (1, 2)]
+    compiled = [r["compiles"]["process"]["compiled"] for r in reports]
+    assert compiled[0] > 0 and compiled[1] == 0, compiled
+    assert _entries(cache) == before + compiled[0]
+    assert reports[1]["compiles"]["loop"]["backend"] == 0
+
+
+def _two_processes(tmp_path, cache, run):
+    """Each process's compile counts, of a stage 2 on 2 processes x 1 CPU device (CFG parallel)."""
+    address = f"127.0.0.1:{free_port()}"
+    records = [tmp_path / f"{run}-{i}.json" for i in (0, 1)]
+    procs = [subprocess.Popen(
+        [sys.executable, COUNTED, str(records[i]), *STAGE2[2:], "--cfg_parallel",
+         "--compile_cache_dir", str(cache), "--output_dir", str(tmp_path / run), "--multihost",
+         "--coordinator_address", address, "--num_processes", "2", "--process_id", str(i)],
+        env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (0, 1)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    return [json.loads(r.read_text())["compiles"] for r in records]
+
+
+def test_a_second_two_process_stage2_run_compiles_nothing_on_either_process(tmp_path):
+    """JAX writes the cache from process 0 alone; on CPU every key is the process's own (its CPU
+    topology fingerprint is in it), so process 1 writes its entries itself (tpu.compile
+    write_own_entries), and on the second run neither process compiles."""
+    cache = tmp_path / "jax-cache"
+    first = _two_processes(tmp_path, cache, "first")
+    assert all(c["compiled"] > 0 for c in first), first
+    assert _entries(cache) == sum(c["compiled"] for c in first)
+    second = _two_processes(tmp_path, cache, "second")
+    assert [c["compiled"] for c in second] == [0, 0], second
