@@ -49,6 +49,7 @@ ROWS = [
     ("ti2v5b-v6e8", "--model wan2.2-ti2v-5b --topology v6e:2x4 --sp_size 8"),
     ("ti2v5b-v5e8", "--model wan2.2-ti2v-5b --topology v5e:2x4 --sp_size 8"),
     ("ti2v5b-v5p4", "--model wan2.2-ti2v-5b --topology v5p:2x2x1 --sp_size 4"),
+    ("ti2v5b-v5e16-cfg", "--model wan2.2-ti2v-5b --topology v5e:4x4 --sp_size 8 --cfg_parallel"),
     ("a14b-v6e8", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8"),
     ("a14b-v6e8-swap", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8 --swap_experts"),
     ("a14b-v6e8-replicated", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8 "
@@ -355,6 +356,79 @@ def compile_paragraph() -> list[str]:
     return _wrap(text)
 
 
+def _hops(s: dict) -> str:
+    if s["hops_max"] is None:
+        return "-"
+    return f"{s['hops_min']}-{s['hops_max']} ({s['mean_hops']:.2f})"
+
+
+def _rings(s: dict) -> str:
+    return f"{s['rings_closed']}/{s['rings']}" if s["rings"] else "-"
+
+
+def _sp_rings(order: dict) -> str:
+    """closed or open, and the hops of each step of the rings (each distinct sequence once)."""
+    steps = " or ".join(dict.fromkeys("+".join(map(str, ring)) for ring in order["sp_ring_steps"]))
+    return f"{'closed' if order['sp_rings_closed'] else 'open'}, {steps} hops"
+
+
+def placement_lines() -> list[str]:
+    """The section on where each mesh row's collectives run on the slice, from the reports'
+    placement (`tpu.placement`): the mesh's device order beside the list order."""
+    reports = {name: _report(name, OUT) for name, _ in ROWS}  # OUT as it is now (tests move it)
+    rows = [(name, r) for name, r in reports.items() if r is not None and r.get("placement")]
+    if not rows:
+        return []
+    lines = ["## Where the collectives run", ""]
+    text = ("`python -m tpu.aot` records, for a mesh of several chips, every collective's groups of "
+            "partition ids (tpu/hlo.py `collective_ops`, each replica-group form expanded) on the chips "
+            "that hold those partitions (tpu/placement.py): the ICI hops of each step around a group's "
+            "ring (its members in the order the HLO lists them, the last step back to the first; a "
+            "collective-permute's source to target), counted on the slice's grid, the shorter way "
+            "round only along an axis with wraparound links (v5e and v6e have them on an axis of 16 "
+            "chips only, v5p on slices of whole 4x4x4 cubes: the Scaling Book, \"How to Think About "
+            "TPUs\"; `tpu.topology.wraparound`). Mesh: `sharding.jax_sp.make_mesh`'s device order, "
+            "from the chips' coordinates. List order: the same HLO with partition k on the k-th device "
+            "libtpu lists, the mesh a plain reshape gave before. JAX compiles one replica and n "
+            "partitions over the mesh's devices flattened, so the HLO text is the same under both "
+            "orders (tests/test_tpu_aot.py compiles one program both ways on v5e:4x4) and only the "
+            "chip behind each partition id differs: both columns come from one compile. Runs: per "
+            "call of each program, summed over the programs it occurs in. Rings closed: the distinct "
+            "groups whose every step is one hop. GB x hops: the bytes a chip "
+            "receives over ICI per call times the mean hops of its collective's steps. The compiler's "
+            "collective emitters may route a ring otherwise: hops model the traffic, they do not "
+            "measure it.")
+    lines += _wrap(text)
+    for name, r in rows:
+        p = r["placement"]
+        mesh, listed = p["orders"]["mesh"], p["orders"]["list_order"]
+        grid = "x".join(map(str, p["extents"][:2] if p["extents"][2:] == [1] else p["extents"]))
+        wraps = ("wraparound on axes " + ", ".join("xyz"[i] for i, w in enumerate(p["wraparound"]) if w)
+                 if any(p["wraparound"]) else "no wraparound")
+        lines += ["", f"{name}: {r['model']} at {r['size'][0]} x {r['size'][1]} (H x W), {r['size'][2]} "
+                  f"frames on "
+                  f"{r['topology']} ({grid} chips, {wraps}), cfg {r['cfg']} x sp {r['sp']}. The sp "
+                  f"rings: mesh {_sp_rings(mesh)}; list order {_sp_rings(listed)}.", "",
+                  "| collective | programs | runs per call | groups x members | hops per step, mesh "
+                  "(mean) | rings closed, mesh | hops per step, list order (mean) | rings closed, list "
+                  "order | GB x hops per chip, mesh / list order |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for kind, m in mesh["collectives"].items():
+            o = listed["collectives"][kind]
+            lines.append(f"| {kind} | {', '.join(m['programs'])} | {m['count']} | "
+                         f"{', '.join(m['groups']) or '-'} | {_hops(m)} | {_rings(m)} | {_hops(o)} | "
+                         f"{_rings(o)} | {m['byte_hops'] / 1e9:.1f} / {o['byte_hops'] / 1e9:.1f} |")
+            if m["unmapped"]:
+                lines.append(f"| ({kind}: {m['unmapped']} runs with groups not read) | | | | | | | | |")
+    before = [name for name, r in reports.items() if r is not None and r["chips"] > 1
+              and not r.get("placement")]
+    if before:
+        lines += ["", f"Reports with no placement (compiled before it was recorded): "
+                  f"{', '.join(before)}; `python bench/tpu_aot.py --only {','.join(before)} --rerun` "
+                  "adds it."]
+    return lines + [""]
+
+
 def header() -> list[str]:
     """The page's opening paragraphs; the machine and the compiler's versions as found here."""
     setup = (f"Compiled by libtpu for the named slice on a {os.cpu_count()}-core CPU machine without a "
@@ -432,7 +506,7 @@ def main():
         if report is not None:
             lines.append(row_line(name, row_args, report))
     missing = [name for name, _ in ROWS if not (OUT / f"{name}.json").exists()]
-    lines += ["", f"Anchor: {ANCHOR}.", "", v5_blocks(), ""]
+    lines += ["", f"Anchor: {ANCHOR}.", "", v5_blocks(), "", *placement_lines()]
     stale = [name for name in UNDERCOUNTED if (OUT / f"{name}.json").exists()]
     if stale:
         lines += ["Collectives undercounted in the reports of " + ", ".join(stale) + " (compiled "

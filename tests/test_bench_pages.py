@@ -1,5 +1,6 @@
 """The results pages bench/taylorseer_gap.py, bench/sp_scaling.py, bench/presets.py and
-bench/load.py write, and bench/pareto_report.py's random-weight notes: every figure on them
+bench/load.py write, bench/pareto_report.py's random-weight notes and bench/tpu_aot.py's
+section on where the collectives run: every figure on them
 comes from the rows given, and the readings follow the rows (a different set of rows reads
 differently)."""
 
@@ -348,3 +349,35 @@ def test_pareto_notes_from_rows():
     assert "Each of our 3 curves is monotonic in the threshold" in text
     assert "Check of the harness" not in text and "cheap end" not in text
     assert "at most 0.50 of its budget" in text  # now the point's own 0.001 / 0.002
+
+
+# --- bench/tpu_aot.py: where the collectives run, from a report's placement ----------------------
+
+def test_tpu_aot_placement_section_from_reports(tmp_path, monkeypatch):
+    from bench import tpu_aot as ta
+    from tpu.hlo import CollectiveOp
+    from tpu.placement import placement
+
+    ring = [(0, 0, 0), (1, 0, 0), (1, 1, 0), (0, 1, 0)]  # a 2x2 square walked round
+    listed = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]  # the diagonal is 2 hops
+    ops = {"middle": [CollectiveOp("all-gather", 2**30, 0.75 * 2**30, 3, ((0, 1, 2, 3),))],
+           "probe": [CollectiveOp("all-reduce", 4, 6.0, 1, None)]}
+    report = {"model": "m", "size": [64, 32, 5], "topology": "v6e:2x2", "cfg": 1, "sp": 4, "chips": 4,
+              "placement": placement(ops, {"mesh": ring, "list_order": listed}, extents=(2, 2, 1),
+                                     wraps=(False,) * 3, sp=4)}
+    (tmp_path / "row.json").write_text(json.dumps(report))
+    (tmp_path / "old.json").write_text(json.dumps({**report, "placement": None}))
+    monkeypatch.setattr(ta, "OUT", tmp_path)
+    monkeypatch.setattr(ta, "ROWS", [("row", "--sp_size 4"), ("old", "--sp_size 4"), ("none", "")])
+    text = "\n".join(ta.placement_lines())
+    assert "row: m at 64 x 32 (H x W), 5 frames on v6e:2x2 (2x2 chips, no wraparound), cfg 1 x sp 4" \
+        in text
+    assert "The sp rings: mesh closed, 1+1+1+1 hops; list order open, 1+2+1+2 hops." in text
+    gb = 3 * 0.75 * 2**30 / 1e9
+    assert f"| all-gather | middle | 3 | 1x4 | 1-1 (1.00) | 1/1 | 1-2 (1.50) | 0/1 | {gb:.1f} / " \
+           f"{1.5 * gb:.1f} |" in text
+    assert "| all-reduce | probe | 1 | - | - | - | - | - | 0.0 / 0.0 |" in text
+    assert "| (all-reduce: 1 runs with groups not read) |" in text
+    assert "Reports with no placement (compiled before it was recorded): old;" in text
+    monkeypatch.setattr(ta, "ROWS", [("old", "--sp_size 4")])
+    assert ta.placement_lines() == []  # no report with a placement: no section

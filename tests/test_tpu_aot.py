@@ -3,6 +3,7 @@ the tiny models' stage programs with the splash kernel lowered by Mosaic (not in
 chip and on a sequence-parallel mesh, with replicated and FSDP weights; the memory plan and the
 collective accounting; the command's errors."""
 
+import json
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from sampling.schedulers import make_scheduler
 from sampling.stages import SignalPlan
 from sharding.jax_sp import make_mesh
 from tpu import aot_backend
-from tpu.topology import AotError, topology_devices
+from tpu import placement as tpu_placement
+from tpu.topology import CHIPS, AotError, topology_devices, wraparound
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +81,9 @@ def test_sequence_parallel_mesh_compiles_with_one_signal_reduction(slice_v6e):
     # Ulysses: heads (2) do not divide sp 4, so K/V are gathered over the 4 chips
     assert middle.collectives["all-gather"]["count"] > 0
     assert "all-reduce" not in middle.collectives
+    # every collective of the mesh's programs kept with its groups: the psum over all 4
+    (psum,) = backend.collective_ops["probe"]
+    assert psum.kind == "all-reduce" and psum.groups == ((0, 1, 2, 3),)
 
 
 def test_fsdp_splits_block_weights_over_the_slice_and_gathers_them_per_block(slice_v6e,
@@ -142,6 +147,114 @@ def test_collective_accounting_reads_every_replica_group_form():
     assert c["all-gather"] == {"count": 1, "bytes": 2 * 2**20, "received": 2 * 2**20 * 7 / 8}
     assert c["all-to-all"]["received"] == 16 * 64 * 4 * 3 / 4
     assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["bytes"] == 32  # -done not counted
+
+
+def test_replica_groups_expand_every_form_into_partition_ids():
+    groups = tpu.hlo.replica_groups
+    # iota: 16 ids as [8,2], transposed: the even ids, then the odd ones
+    assert groups("replica_groups=[2,8]<=[8,2]T(1,0), dimensions={0}") == \
+        (tuple(range(0, 16, 2)), tuple(range(1, 16, 2)))
+    assert groups("replica_groups=[2,4]<=[8]") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert groups("replica_groups=[4,2]<=[2,2,2]T(2,0,1)") == ((0, 2), (4, 6), (1, 3), (5, 7))
+    assert groups("replica_groups={{0,2},{1,3}}, to_apply=%sum") == ((0, 2), (1, 3))
+    assert groups("replica_groups={}, to_apply=%sum", partitions=4) == ((0, 1, 2, 3),)
+    assert groups("replica_groups={}, to_apply=%sum") is None  # how many: not known
+    # mesh axes: the other axes fixed, the named ones varying (in mesh order)
+    mesh = "replica_groups=mesh['axis_0'=2,'axis_1'=1,'axis_2'=8] {%s}, dimensions={0}"
+    assert groups(mesh % "'axis_0'") == tuple((i, i + 8) for i in range(8))
+    assert groups(mesh % "'axis_2'") == (tuple(range(8)), tuple(range(8, 16)))
+    assert groups(mesh % "'axis_2','axis_0'") == (tuple(range(16)),)
+    # a sub-axis: axis_2 = 8 split as (1)2 x (2)4, the first part grouped
+    assert groups(mesh % "'axis_2':(1)2") == tuple((i, i + 4) for i in (0, 1, 2, 3, 8, 9, 10, 11))
+    assert groups(mesh % "'axis_2':(2)4") == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11),
+                                             (12, 13, 14, 15))
+    assert groups("source_target_pairs={{0,1},{1,2},{2,0}}, channel_id=3") == ((0, 1), (1, 2), (2, 0))
+    assert groups("dimensions={0}") is None
+
+
+def test_collective_ops_carry_kind_bytes_runs_and_groups():
+    hlo = "\n".join([
+        "HloModule m, num_partitions=4",
+        "%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %ag = f32[8]{0} all-gather(%x), replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}",
+        "}",
+        "ENTRY %main (a: f32[8]) -> f32[8] {",
+        "  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, "
+        "backend_config={\"known_trip_count\":{\"n\":\"3\"}}",
+        "  %ar = f32[4]{0} all-reduce(%y), replica_groups={}, to_apply=%sum",
+        "  %cp = (f32[2]{0}, f32[2]{0}, u32[], u32[]) collective-permute-start(%z), "
+        "source_target_pairs={{0,1},{1,0}}",
+        "  %cpd = f32[2]{0} collective-permute-done(%cp)",
+        "}",
+    ])
+    ag, ar, cp = tpu.hlo.collective_ops(hlo)
+    assert ag == tpu.hlo.CollectiveOp("all-gather", 32, 16.0, 3, ((0, 2), (1, 3)))
+    assert ar == tpu.hlo.CollectiveOp("all-reduce", 16, 2 * 16 * 3 / 4, 1, ((0, 1, 2, 3),))
+    assert cp == tpu.hlo.CollectiveOp("collective-permute", 8, 8, 1, ((0, 1), (1, 0)))
+    assert tpu.hlo.collectives(hlo)["all-gather"] == {"count": 3, "bytes": 96, "received": 48.0}
+
+
+def test_wraparound_only_where_the_slice_has_it():
+    """The Scaling Book: v5e/v6e wrap an axis of 16 only; v5p slices of whole cubes wrap."""
+    assert wraparound(CHIPS["v5e"], (4, 4, 1)) == (False, False, False)
+    assert wraparound(CHIPS["v6e"], (8, 16, 1)) == (False, True, False)
+    assert wraparound(CHIPS["v5p"], (4, 4, 8)) == (True, True, True)
+    assert wraparound(CHIPS["v5p"], (2, 2, 4)) == (False, False, False)
+    assert tpu_placement.hops((0, 0, 0), (3, 0, 0), (4, 4, 1), (False,) * 3) == 3
+    assert tpu_placement.hops((0, 0, 0), (15, 3, 0), (16, 16, 1), (True, True, False)) == 4
+
+
+def test_placement_maps_groups_to_chips_under_each_device_order():
+    """v5e:4x4 as cfg 2 x sp 8: the mesh's rows are rings of 1-hop steps; the same partition ids
+    on the devices in list order (two 2-wide hosts' columns) step 1,2,1,2,1,2,1,4."""
+    chip, devices = topology_devices("v5e:4x4")
+    mesh = make_mesh(8, 2, devices)
+    sp_gather = tpu.hlo.CollectiveOp("all-gather", 1024, 896.0, 2, (tuple(range(8)), tuple(range(8, 16))))
+    cfg_sum = tpu.hlo.CollectiveOp("all-reduce", 8, 8.0, 1, tuple((i, i + 8) for i in range(8)))
+    ops = {"middle": [sp_gather], "probe": [cfg_sum]}
+    orders = {"mesh": [tuple(d.coords) for d in mesh.devices.flat],
+              "list_order": [tuple(d.coords) for d in devices]}
+    p = tpu_placement.placement(ops, orders, extents=(4, 4, 1), wraps=(False,) * 3, sp=8)
+    mesh_order, listed = p["orders"]["mesh"], p["orders"]["list_order"]
+    assert mesh_order["sp_ring_steps"] == [[1] * 8] * 2 and mesh_order["sp_rings_closed"]
+    assert listed["sp_ring_steps"] == [[1, 2, 1, 2, 1, 2, 1, 4]] * 2 and not listed["sp_rings_closed"]
+    gather = mesh_order["collectives"]["all-gather"]
+    assert gather["count"] == 2 and gather["groups"] == ["2x8"] and gather["programs"] == ["middle"]
+    assert (gather["hops_min"], gather["hops_max"], gather["mean_hops"]) == (1, 1, 1.0)
+    assert (gather["rings"], gather["rings_closed"]) == (2, 2)
+    assert gather["byte_hops"] == gather["received"] == 2 * 896.0
+    slow = listed["collectives"]["all-gather"]
+    assert (slow["hops_max"], slow["rings_closed"], slow["mean_hops"]) == (4, 0, 14 / 8)
+    assert slow["byte_hops"] == 2 * 896.0 * 14 / 8
+    # the cfg pairs: each partition and its partner, on either order
+    assert mesh_order["collectives"]["all-reduce"]["groups"] == ["8x2"]
+    assert "sp rings closed (8/8 hops)" in tpu_placement.format_placement(p)
+
+
+def test_the_same_program_compiles_to_the_same_hlo_under_either_device_order():
+    """The HLO names partitions, not chips: a sharded program on v5e:4x4 compiles to the same text
+    on the mesh's device order and on the list order, so one compile's collectives are placed
+    under both (`tpu.aot.run_placement`). Its reversal is a collective-permute, its sums
+    all-reduces over sp and over all 16."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from sharding.jax_sp import AXES
+
+    _, devices = topology_devices("v5e:4x4")
+    texts = []
+    for grid in (make_mesh(8, 2, devices).devices, np.array(devices).reshape(2, 8)):
+        sharding = NamedSharding(Mesh(grid, AXES), PartitionSpec("cfg", "sp"))
+        x = jax.ShapeDtypeStruct((2, 64, 128), jnp.bfloat16, sharding=sharding)
+        program = jax.jit(lambda x: jnp.sum(x, axis=1, keepdims=True) * jnp.mean(x) + x[:, ::-1])
+        texts.append(program.lower(x).compile().as_text())
+    assert texts[0] == texts[1]
+    ops = {op.kind: op for op in tpu.hlo.collective_ops(texts[0])}
+    assert ops["collective-permute"].groups[:2] == ((0, 7), (1, 6))  # the sp axis reversed
+    assert {op.groups for op in tpu.hlo.collective_ops(texts[0]) if op.kind == "all-reduce"} == \
+        {(tuple(range(16)),), (tuple(range(8)), tuple(range(8, 16)))}
 
 
 def _loop_calls(backend, config, sample, scheduler):
@@ -229,7 +342,11 @@ def test_command_prints_the_plan_and_refuses_bad_topologies(tmp_path):
                "--cfg_parallel", "--enable_cache", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "fits" in out.stdout and "middle" in out.stdout and "cached (" in out.stdout
-    assert (tmp_path / "r.json").exists()
+    # where the collectives run: each cfg branch's sp pair is one ICI link (a closed ring)
+    placement = json.loads((tmp_path / "r.json").read_text())["placement"]
+    assert placement["extents"] == [2, 2, 1] and placement["wraparound"] == [False] * 3
+    assert placement["orders"]["mesh"]["sp_ring_steps"] == [[1, 1], [1, 1]]
+    assert "collectives on the 2x2x1 chips (no wraparound): mesh: sp rings closed" in out.stdout
     for args, message in [
         (("--topology", "v7x:2x2"), "expected <generation>"),
         (("--topology", "v6e:2x2x2"), "2-dimensional"),

@@ -11,7 +11,9 @@ scheduler combination, the frame write-back. This module is the command: flags, 
 What is measured (the compiler's own figures, per chip): HBM arguments, outputs and temporaries
 of each program, flops and bytes accessed (XLA's cost analysis; the splash kernel is a custom
 call it cannot see, so its work is counted from the shapes it was traced with), collectives by
-kind and bytes (read from the compiled HLO), compile seconds on this machine.
+kind and bytes (read from the compiled HLO) and the chips each of their groups runs between
+(`tpu.placement`: ICI hops per ring step, under the mesh's device order and under the list
+order), compile seconds on this machine.
 What is estimated: the memory plan of the whole run (weights resident, residual slots the gate
 can hold, inputs, the largest program in flight) against the chip's HBM, and a roofline time
 (each program bound by the larger of flops / peak bf16 rate, bytes / HBM bandwidth and received
@@ -30,7 +32,7 @@ import time
 
 from sampling.platforms import quiet_cpu_default
 
-from .topology import AotError, GiB, parse_topology, topology_devices
+from .topology import AotError, GiB, parse_topology, topology_devices, wraparound
 
 quiet_cpu_default()  # before jax: see its docstring
 
@@ -59,6 +61,7 @@ from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import WEIGHT_SHARDINGS, make_mesh  # noqa: E402
 
 from .aot_backend import AotBackend, run_plan, step_helpers  # noqa: E402
+from .placement import format_placement, placement  # noqa: E402
 from .program import chip_bytes  # noqa: E402
 
 
@@ -195,10 +198,23 @@ def run(args) -> dict:
         "compile_seconds": sum(p["compile_seconds"] for p in programs.values()),
         "wall_seconds": time.perf_counter() - began,
     }
+    if mesh is not None:
+        report["placement"] = run_placement(backend.collective_ops, mesh, devices, chip)
     if args.json:
         # whole or not at all, and no fixed temporary name two runs would share
         atomic_write(args.json, lambda f: json.dump(report, f, indent=1, default=str))
     return report
+
+
+def run_placement(ops: dict, mesh, devices, chip) -> dict:
+    """Where the run's collectives go (`tpu.placement`): under the mesh's order, and under the
+    devices' list order (the mesh `jax.devices()` reshaped would be; same HLO, other chips)."""
+    coords = [tuple(d.coords) for d in devices]
+    extents = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
+    orders = {"mesh": [tuple(d.coords) for d in mesh.devices.flat],
+              "list_order": coords[:mesh.size]}
+    return placement(ops, orders, extents=extents, wraps=wraparound(chip, tuple(extents)),
+                     sp=mesh.shape["sp"])
 
 
 def _gb(n) -> str:
@@ -276,6 +292,8 @@ def format_summary(r: dict) -> str:
                      f"{t['step_uncached']:.3f} s/step"
                      + (f", cached {t['step_cached']:.3f} s/step, {t['run_cached']:.1f} s/run"
                         if t["run_cached"] is not None else ""))
+    if r.get("placement"):
+        lines.append(format_placement(r["placement"]))
     lines.append(f"compiled {len(r['programs'])} programs in {r['compile_seconds']:.0f} s "
                  f"(wall {r['wall_seconds']:.0f} s)" + (f"; wrote {r['json']}" if r.get("json") else ""))
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from cache import CMConfig
 from sampling.loop import Combination, folding
@@ -24,6 +24,7 @@ from sampling.stages import SignalPlan
 
 from . import attention
 from .backend import JaxBackend, rel_l1
+from .hlo import collective_ops
 from .program import Program, chip_bytes, record
 from .topology import Chip
 
@@ -50,6 +51,8 @@ class AotBackend(JaxBackend):
         self.records: dict[tuple, Program] = {}
         self._outputs: dict[tuple, object] = {}
         self.calls: dict[str, int] = {}
+        # program name -> its collectives (first signature compiled), where it runs on the mesh
+        self.collective_ops: dict[str, list] = {}
         self.input_bytes = 0
         self.expert_bytes: dict = {}
         super().__init__(models, plan, attention_impl=attention_impl, mesh=mesh, weights=weights,
@@ -98,8 +101,20 @@ class AotBackend(JaxBackend):
     def _record(self, name, compiled, leaves, kernels, seconds) -> Program:
         weights = sum(chip_bytes(a) for a in leaves if id(a) in self._weight_ids)
         computed = sum(chip_bytes(a) for a in leaves if id(a) not in self._persistent)
+        hlo = compiled.as_text()
+        if self.mesh is not None and self._on_mesh(compiled):
+            self.collective_ops.setdefault(name, collective_ops(hlo))
         return record(name, compiled, seconds, weight_bytes=weights, activation_bytes=computed,
-                      kernels=kernels)
+                      kernels=kernels, hlo=hlo)
+
+    def _on_mesh(self, compiled) -> bool:
+        """Whether the program runs on the mesh's devices in the mesh's order (partition k on
+        `mesh.devices.flat[k]`), as every sharded program here does: else its collectives'
+        partition ids name other chips and are left out of `collective_ops`."""
+        flat = tuple(self.mesh.devices.flat)
+        shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+        many = [s for s in shardings if len(s.device_set) > 1]
+        return all(isinstance(s, NamedSharding) and tuple(s.mesh.devices.flat) == flat for s in many)
 
     # Nothing is read back: the gate sees zero signals, which is all warm-up needs.
     def read_signals(self, signals):

@@ -1,14 +1,17 @@
 """HLO text, read: the computations of a compiled program's optimized HLO, the while loops and
 how often each computation runs per call, and the collectives with their bytes per chip.
 
-Pure text parsing (no JAX): `tpu.program` turns it into a program's costs and `tpu.hbm` into its
-HBM traffic.
+Pure text parsing (no JAX): `tpu.program` turns it into a program's costs, `tpu.hbm` into its
+HBM traffic and `tpu.placement` its collectives' groups into the chips they run between.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
+
+import numpy as np
 
 # an array's dtype and dimensions in a shape's text: bf16[2,4096,3072]
 ARRAY_SHAPE = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f16|f32|f64|c64|c128|f8e4m3fn|f8e5m2)"
@@ -17,9 +20,16 @@ _BITS = {"pred": 8, "bf16": 16, "f16": 16, "f32": 32, "f64": 64, "c64": 64, "c12
          "f8e4m3fn": 8, "f8e5m2": 8}
 _COLLECTIVE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-gather|all-reduce|all-to-all|reduce-scatter|"
                          r"collective-permute)(-start)?\((.*)$")
+# the forms of a collective's replica groups (partition ids: JAX compiles one replica, n partitions)
+# mesh['axis_0'=2,'axis_1'=8] {'axis_1'}: the ids of an iota mesh, grouped along the named axes
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+# [2,8]<=[8,2]T(1,0): iota(16) reshaped to [8,2], transposed, read as 2 groups of 8
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+# {{0,1,2,3},{4,5,6,7}}, or {} (one group of every partition)
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_PARTITIONS = re.compile(r"\bnum_partitions=(\d+)")
+_AXIS = re.compile(r"'?([\w.\-]+?)'?(?::\((\d+)\)(\d+))?$")  # a group axis: name or name:(pre)size
 
 
 def dtype_bits(dtype: str) -> int:
@@ -32,51 +42,134 @@ def _array_bytes(text: str) -> list[int]:
             for dtype, dims in ARRAY_SHAPE.findall(text)]
 
 
-def collectives(hlo: str) -> dict[str, dict]:
-    """kind -> {count, bytes (result, per chip), received (bytes a chip takes in over ICI)}.
-    An async pair counts once, at its -start; its result tuple holds operand and result, and
-    the result is the larger. One inside a loop counts once per iteration."""
-    out: dict[str, dict] = {}
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One collective instruction: its kind, its result's bytes per chip (an async pair's larger
+    half), the bytes a chip takes in over ICI, the times it runs per call of the program, and its
+    groups of partition ids, each in the order the HLO lists it (a collective-permute's groups are
+    its (source, target) pairs; None where the text gives no groups this module can read)."""
+
+    kind: str
+    bytes: int
+    received: float
+    times: int
+    groups: tuple[tuple[int, ...], ...] | None
+
+
+def collective_ops(hlo: str) -> list[CollectiveOp]:
+    """Every collective of an HLO module's text, its groups expanded (`replica_groups`). An async
+    pair counts once, at its -start; one inside a loop runs once per iteration (`times`)."""
+    m = _PARTITIONS.search(hlo.split("\n", 1)[0])  # the HloModule line: `{}` is all of them
+    partitions = int(m.group(1)) if m else None
     mult = multipliers(hlo)
-    for current, line in _lines(hlo):  # lines outside a computation (a fragment) count once
-        _count_collective(out, line, mult.get(current, 1))
+    ops = []
+    for current, line in _lines(hlo):  # lines outside a computation (a fragment) run once
+        op = _collective(line, mult.get(current, 1), partitions)
+        if op is not None:
+            ops.append(op)
+    return ops
+
+
+def collectives(hlo: str) -> dict[str, dict]:
+    """kind -> {count, bytes (result, per chip), received (bytes a chip takes in over ICI)}, per
+    call: `collective_ops` summed by kind."""
+    out: dict[str, dict] = {}
+    for op in collective_ops(hlo):
+        entry = out.setdefault(op.kind, {"count": 0, "bytes": 0, "received": 0.0})
+        entry["count"] += op.times
+        entry["bytes"] += op.times * op.bytes
+        entry["received"] += op.times * op.received
     return out
 
 
-def _count_collective(out: dict, line: str, times: int) -> None:
+def _collective(line: str, times: int, partitions: int | None) -> CollectiveOp | None:
     m = _COLLECTIVE.search(line)
     if not m:
-        return
+        return None
     result, kind, start, rest = m.groups()
     sizes = _array_bytes(result)
     if not sizes:
-        return
+        return None
     size = max(sizes) if start else sum(sizes)
-    group = _group_size(rest)
+    groups = replica_groups(rest, partitions)
+    group = len(groups[0]) if groups and kind != "collective-permute" else 2
     received = {"all-gather": size * (group - 1) / group,
                 "all-to-all": size * (group - 1) / group,
                 "all-reduce": 2 * size * (group - 1) / group,  # reduce-scatter + all-gather
                 "reduce-scatter": size * (group - 1),
                 "collective-permute": size}[kind]
-    entry = out.setdefault(kind, {"count": 0, "bytes": 0, "received": 0.0})
-    entry["count"] += times
-    entry["bytes"] += times * size
-    entry["received"] += times * received
+    return CollectiveOp(kind, size, received, times, groups)
 
 
-
-def _group_size(attributes: str) -> int:
-    """Devices in one replica group: mesh['axis_0'=8,'axis_1'=1] {'axis_0'} (8), [2,4]<=[8]
-    (4), or {{0,1,2,3},...} (4)."""
+def replica_groups(attributes: str, partitions: int | None = None) -> tuple[tuple[int, ...], ...] | None:
+    """The groups of partition ids of a collective's attributes, in every form the HLO writes:
+    mesh['axis_0'=2,'axis_1'=8] {'axis_1'} (sub-axes `'axis_0':(1)2` too), the iota form
+    [2,8]<=[8,2]T(1,0), lists {{0,1},{2,3}}, {} (one group of all `partitions`), and a
+    collective-permute's source_target_pairs={{0,1},{1,0}} (as pairs). None for anything else."""
+    m = _PAIRS.search(attributes)
+    if m:
+        return _id_lists(m.group(1))
     m = _GROUPS_MESH.search(attributes)
     if m:
-        sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-        return math.prod(int(sizes[a]) for a in re.findall(r"'([^']+)'", m.group(2)))
+        return _mesh_groups(m.group(1), m.group(2))
     m = _GROUPS_IOTA.search(attributes)
     if m:
-        return int(m.group(2))
+        shape, dims, perm = ([int(x) for x in g.split(",")] if g else None for g in m.groups())
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        ids = ids.transpose(perm) if perm else ids
+        return tuple(tuple(int(i) for i in g) for g in ids.reshape(-1, shape[-1]))
     m = _GROUPS_LIST.search(attributes)
-    return max(1, len([x for x in m.group(1).split(",") if x])) if m else 2
+    if m:
+        groups = _id_lists(m.group(1))
+        if groups:
+            return groups
+        return None if partitions is None else (tuple(range(partitions)),)
+    return None
+
+
+def _id_lists(text: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", text))
+
+
+def _mesh_groups(mesh: str, axes: str) -> tuple[tuple[int, ...], ...] | None:
+    """XLA's MeshAxesReplicaGroupList (xla/hlo/ir/replica_group.cc): the iota device array of the
+    mesh, each axis with sub-axes reshaped (padding between them, a suffix after), the grouped
+    dimensions (in mesh order; a dimension's sub-axes as listed) moved last, read in groups."""
+    sizes = [(name, int(n)) for name, n in re.findall(r"'?([\w.\-]+?)'?=(\d+)", mesh)]
+    names = [name for name, _ in sizes]
+    refs: dict[int, list] = {}
+    for part in axes.split(","):
+        m = _AXIS.match(part.strip())
+        if not m or m.group(1) not in names:
+            return None
+        name, pre, size = m.groups()
+        refs.setdefault(names.index(name), []).append(None if pre is None else (int(pre), int(size)))
+    shape, grouped = [], []
+    for dim, (_, full) in enumerate(sizes):
+        subs = refs.get(dim)
+        if subs is None or subs == [None]:
+            if subs:
+                grouped.append(len(shape))
+            shape.append(full)
+            continue
+        if None in subs:
+            return None
+        prefix, where = 1, {}
+        for i in sorted(range(len(subs)), key=lambda i: subs[i][0]):  # by pre-size
+            pre, size = subs[i]
+            if pre != prefix:  # the part of the axis between two sub-axes
+                shape.append(pre // prefix)
+                prefix = pre
+            where[i] = len(shape)
+            shape.append(size)
+            prefix *= size
+        if prefix != full:
+            shape.append(full // prefix)
+        grouped += [where[i] for i in range(len(subs))]
+    rest = [d for d in range(len(shape)) if d not in grouped]
+    width = math.prod(shape[d] for d in grouped)
+    ids = np.arange(math.prod(shape)).reshape(shape).transpose(rest + grouped).reshape(-1, width)
+    return tuple(tuple(int(i) for i in g) for g in ids)
 
 
 # A computation: `[ENTRY ]%name (params) -> result {`, its instructions, then `}` alone on a line.

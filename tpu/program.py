@@ -97,15 +97,16 @@ class Program:
 
 
 def record(name: str, compiled, seconds: float, *, weight_bytes: int, activation_bytes: int,
-           kernels=()) -> Program:
+           kernels=(), hlo: str | None = None) -> Program:
     """What the compiler says of one compiled program, per chip. `kernels`: the Pallas kernels
-    traced into it (`attention.kernel_costs`), whose work the compiler's cost analysis omits."""
+    traced into it (`attention.kernel_costs`), whose work the compiler's cost analysis omits;
+    `hlo`: its text, where the caller has it already."""
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX returns one dict per partition
         cost = cost[0]
     kernel_flops = sum(k.flops for k in kernels)  # scaled by loop trips when traced
-    hlo = compiled.as_text()
+    hlo = compiled.as_text() if hlo is None else hlo
     loop_flops, loop_bytes = loop_costs(hlo)
     extra = sum(k.extra_bytes for k in kernels)
     return Program(name, seconds, memory.argument_size_in_bytes, memory.output_size_in_bytes,

@@ -92,6 +92,16 @@ def parse_topology(name: str) -> tuple[Chip, tuple[int, int, int]]:
     return chip, (*dims, 1)[:3]
 
 
+def wraparound(chip: Chip, dims: tuple[int, ...]) -> tuple[bool, ...]:
+    """Which axes of a slice close into a ring with a wraparound link. The Scaling Book ("How to
+    Think About TPUs", jax-ml.github.io/scaling-book/tpus): v5e and v6e have one only along an
+    axis of 16 chips ("a 4x4 slice ... no wraparound connections"); v5p gets them from its optical
+    switches on slices of whole 4x4x4 cubes ("a 2x2x4 won't have any")."""
+    if chip.name == "v5p":
+        return tuple(d > 1 and all(e % 4 == 0 for e in dims) for d in dims)
+    return tuple(d == 16 for d in dims)
+
+
 def topology_devices(name: str):
     """(chip, compile-only devices of the slice). Needs libtpu; JAX itself may stay on the CPU."""
     chip, dims = parse_topology(name)
