@@ -1,0 +1,566 @@
+"""The whole job per real-size pipeline and Cloud TPU slice: bench/results/whole_job.md (and its
+figures as JSON beside it, whole_job.json).
+
+    python bench/whole_job.py              # measure this CPU (about 3 minutes), then the page
+    python bench/whole_job.py --page_only  # the page from the reports and the last measurement
+
+One row per stage-2 row of bench/tpu_aot.py (`ROWS`, the first of each pipeline and slice: the
+default its alternatives were chosen over) that has a report: stage 1 on the slice's host,
+stage 2 uncached and with the cache schedule its report was compiled with, stage 3 (the decode
+row that `DECODE_ROWS` pairs with it), compile cold and warm, the job's total, and the anchors'
+published figures for the same pipeline and slice class. Every figure carries its kind:
+
+  measured   timed (on what is said: this machine, or the anchor's slice as it published)
+  roofline   from the compiled program's flops, bytes and collectives at the chip's peaks
+             (`python -m tpu.aot` / `tpu.vae_aot` reports): a floor real steps run above
+  estimate   arithmetic on other figures, its basis stated
+
+Stage 1 cannot run at real size here (no weights; umT5-XXL alone is 11 GB): its work is counted
+from the encoders' architectures at the pipeline's full text length, and divided by the rate one
+real-size layer of each encoder sustains on this CPU (random weights, the dtype stage 1 uses),
+scaled linearly to the host's vCPUs. bench/tpu_aot.py keeps its report reader private, so
+`read_report` here is this module's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.tpu_aot import DECODE_ROWS, OUT, ROWS  # noqa: E402
+from sampling.pipelines import get_pipeline  # noqa: E402
+
+PAGE = ROOT / "bench" / "results" / "whole_job.md"
+DATA = PAGE.with_suffix(".json")
+KINDS = {"measured": "M", "roofline": "R", "estimate": "E"}
+
+# Real-size encoders, as stage 1 runs them (encoders/umt5.py, encoders/hunyuan_text.py):
+# umT5-XXL encoder (stage1_encoders.md section 2: d 4096, 64 heads x 64, gated FFN 10240, 24
+# layers) in bf16; the Qwen2.5-VL-7B text decoder (its config.json: hidden 3584, 28 query heads
+# and 4 key/value heads of 128, SwiGLU 18944, 28 layers, all run: `mllm_states` asks every hidden
+# state) in bf16 on a CPU; the Wan2.1 VAE encoder in fp32 (I2V-A14B's condition).
+UMT5 = {"d": 4096, "inner": 64 * 64, "ffn": 10240, "layers": 24}
+QWEN = {"d": 3584, "q": 28 * 128, "kv": 4 * 128, "ffn": 18944, "layers": 28}
+QWEN_CROP = 108  # template tokens before the prompt (encoders/hunyuan_text.py crop_start)
+I2V_VAE = "wan2.1-vae"
+
+# The host that runs stage 1 on each slice: (machine, vCPUs, source). v5e and v5p from the Cloud
+# TPU pages (docs.cloud.google.com/tpu/docs/v5e "VM types"; /tpu/docs/v5p-training "VM, host and
+# slice properties"); the v6e figures were not in the stored copy of /tpu/docs/v6e.
+HOSTS = {
+    "v6e:2x4": ("ct6e-standard-8t", 180, "assumed: the v6e page's VM types as recalled, not in "
+                "the stored copy of docs.cloud.google.com/tpu/docs/v6e"),
+    "v6e:1x1": ("ct6e-standard-1t", 44, "assumed, as for ct6e-standard-8t"),
+    "v5e:2x4": ("ct5lp-hightpu-8t", 224, "docs.cloud.google.com/tpu/docs/v5e, VM types"),
+    "v5e:4x4": ("ct5lp-hightpu-4t, one of the slice's hosts", 112,
+                "docs.cloud.google.com/tpu/docs/v5e, VM types"),
+    "v5p:2x2x1": ("v5p-8 host", 208, "docs.cloud.google.com/tpu/docs/v5p-training; half of them "
+                  "under NUMA binding"),
+}
+
+# Warm compile: every program comes from the persistent cache (tests/test_compile_cache.py: a
+# second run compiles nothing). Loading them was not timed on a TPU; the anchor's loads were.
+WARM_STAGE2, WARM_STAGE3 = 5.0, 4.7
+WARM_BASIS = ("the anchor's measured cache loads: HunyuanVideo-1.5 stage 2 ~5 s after a ~60 s first "
+              "compile (gpu-tpu-pedia TORCHAX_MIGRATION_GUIDE 6.3), the Wan VAE decode 4.68 s after "
+              "84.22 s (v4-8; tpu_notes 1.7-1.8)")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    model: str
+    topology: str  # the slice class ours is compared on
+    text: str  # the figure as published
+    seconds: float | None  # its stage-2 or whole-run seconds, where one number stands for it
+    source: str
+
+
+ANCHORS = [
+    Anchor("hunyuanvideo-1.5-720p_t2v", "v6e:2x4",
+           "stage 2 of 121 frames at 720p, 50 steps: 365 s stock splash (7.29 s/step), 291 s with "
+           "its exp2 kernel (5.81 s/step), 203 s with DeepCache (before exp2)", 365.0,
+           "gpu-tpu-pedia HunyuanVideo-1.5 README, commits 023693e, 5672cb1, 1d26dfd; tpu_notes 1.8"),
+    Anchor("wan2.2-i2v-a14b", "v6e:2x4",
+           "I2V 720p 81 frames, optimized: 184.7 s (steps and what the time covers not stated)",
+           184.7, "gpu-tpu-pedia tpu/Wan2.2/docs/wan_tpu_optimization_guide.md appendix B "
+           "at cd93a09"),
+    Anchor("wan2.2-i2v-a14b", "v5p:2x2x1",
+           "720x1280, 81 frames, 40 steps: stage 1 ~30 s (VAE encode on the TPU), stage 2 ~180 s, "
+           "stage 3 ~20 s, ~230 s in all", 230.0, "gpu-tpu-pedia tpu/Wan2.2/README.md; tpu_notes 1.8"),
+    Anchor("wan2.2 A14B (T2V or I2V not stated)", "v7x-8",
+           "Wan2.2 720p 81 frames, 40 steps, CFG on 2 x context 4: 194.4 s end to end (Tokamax "
+           "flash)", 194.4, "maxdiffusion README ring-attention table; tpu_notes 2.5"),
+]
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One number of the page with its kind and what it rests on."""
+
+    value: float | None
+    kind: str  # a key of KINDS
+    basis: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"figure kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+
+    def cell(self, digits: int = 0) -> str:
+        return "-" if self.value is None else f"{self.value:.{digits}f} [{KINDS[self.kind]}]"
+
+
+def total(parts: list[Figure], basis: str) -> Figure:
+    """The sum of figures: roofline only if every part is, else an estimate; None if any is."""
+    if any(p.value is None for p in parts):
+        return Figure(None, "estimate", basis)
+    kind = "roofline" if all(p.kind == "roofline" for p in parts) else "estimate"
+    return Figure(sum(p.value for p in parts), kind, basis)
+
+
+def read_report(name: str, folder: Path = OUT) -> dict | None:
+    """A `tpu.aot` / `tpu.vae_aot` report kept by bench/tpu_aot.py, None if there is none."""
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# --- stage 1: work counted from the architectures ------------------------------------------------
+
+def umt5_flops(tokens: int) -> float:
+    """One umT5-XXL encode: q, k, v, o, the gated FFN's three matmuls, and attention (no
+    causal mask), 2 FLOPs a multiply-add."""
+    c = UMT5
+    per_layer = 2 * tokens * (4 * c["d"] * c["inner"] + 3 * c["d"] * c["ffn"]) \
+        + 4 * tokens**2 * c["inner"]
+    return c["layers"] * per_layer
+
+
+def qwen_flops(tokens: int) -> float:
+    """One Qwen2.5-VL-7B text pass: q and o, the grouped k and v, SwiGLU, and attention counted
+    whole (the causal half is not skipped)."""
+    c = QWEN
+    per_layer = 2 * tokens * (2 * c["d"] * c["q"] + 2 * c["d"] * c["kv"] + 3 * c["d"] * c["ffn"]) \
+        + 4 * tokens**2 * c["q"]
+    return c["layers"] * per_layer
+
+
+def _vae(spec_name: str, device: str):
+    import diffusers
+    import torch
+
+    from modules.vae import VAES
+
+    spec = VAES[spec_name]
+    with torch.device(device):
+        return getattr(diffusers, spec.class_name)(**spec.config).eval()
+
+
+def vae_encoder_flops(spec_name: str, frames: int, height: int, width: int) -> float:
+    """The VAE encode of a [1, 3, F, H, W] video, counted by torch's flop counter on the meta
+    device (no memory, a few seconds)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    vae = _vae(spec_name, "meta")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        vae.encode(torch.zeros(1, 3, frames, height, width, device="meta"))
+    return float(counter.get_total_flops())
+
+
+def vae_key(spec_name: str, frames: int, height: int, width: int) -> str:
+    return f"{spec_name} {frames}x{height}x{width}"
+
+
+@dataclass(frozen=True)
+class Work:
+    what: str
+    flops: float
+    rate: str  # key of the host measurement's rates
+
+
+def stage1_work(report: dict, vae_flops: Callable[[str, int, int, int], float]) -> list[Work]:
+    """What stage 1 computes for the report's pipeline at its size: the prompt and, with CFG,
+    the negative prompt at the full text length (an upper bound: stage 1 runs the real tokens
+    only), and I2V-A14B's condition video through the Wan2.1 VAE encoder."""
+    pipe = get_pipeline(report["model"])
+    guidance = pipe.guidance if isinstance(pipe.guidance, tuple) else (pipe.guidance,)
+    prompts = 2 if any(g != 1 for g in guidance) else 1
+    height, width, frames = report["size"]
+    if pipe.family == "wan" and pipe.task in ("t2v", "ti2v", "i2v"):
+        tokens = pipe.config.text_len
+        work = [Work(f"umT5-XXL bf16, {prompts} x {tokens} tokens", prompts * umt5_flops(tokens),
+                     "umt5")]
+        if pipe.task == "i2v":
+            work.append(Work(f"Wan2.1 VAE encoder fp32, {frames} x {height} x {width}",
+                             vae_flops(I2V_VAE, frames, height, width), "vae"))
+        return work
+    if pipe.family == "hunyuan_video15" and pipe.task == "t2v":
+        tokens = pipe.config.text_len + QWEN_CROP
+        return [Work(f"Qwen2.5-VL-7B text bf16, {prompts} x {tokens} tokens (no quoted text: "
+                     "no ByT5)", prompts * qwen_flops(tokens), "qwen")]
+    raise ValueError(f"{report['model']} ({pipe.task}): no stage-1 work model; expected a Wan "
+                     "T2V/TI2V/I2V or HunyuanVideo-1.5 T2V pipeline")
+
+
+def stage1_figure(report: dict, host: dict) -> tuple[Figure, list[Work], tuple]:
+    """Stage 1's seconds on the slice's host: FLOPs / (rate here x host vCPUs / threads here)."""
+    machine = HOSTS.get(report["topology"])
+    work = stage1_work(report, lambda *a: host["vae_flops"][vae_key(*a)])
+    if machine is None:
+        return Figure(None, "estimate", f"no host figure for {report['topology']}"), work, None
+    scale = machine[1] / host["threads"]
+    seconds = sum(w.flops / (host["rates_gflops"][w.rate] * 1e9 * scale) for w in work)
+    return (Figure(seconds, "estimate", f"FLOPs / rate measured here, x {machine[1]} vCPUs / "
+                   f"{host['threads']} threads ({machine[0]})"), work, machine)
+
+
+# --- one row ---------------------------------------------------------------------------------------
+
+def decode_for(stage2_name: str, folder: Path = OUT) -> tuple[str, dict] | None:
+    """The first decode row bench/tpu_aot.py pairs with this stage-2 row that has a report."""
+    for name, _, paired in DECODE_ROWS:
+        if paired == stage2_name and (r := read_report(name, folder)) is not None:
+            return name, r
+    return None
+
+
+def schedule_label(r: dict) -> str:
+    dc = r["cache"]["config"].get("deepcache") or {}
+    sch = r["schedule"]
+    which = (f"DeepCache {dc['start']}/{dc['end']}/{dc['interval']}" if dc
+             else sch.get("source", "the report's schedule"))
+    return f"{which}, {sch['computed_steps']}/{sch['steps']} computed"
+
+
+def job_row(name: str, r: dict, decode: tuple[str, dict] | None, host: dict) -> dict:
+    """Every figure of one pipeline x slice, each with its kind and basis."""
+    s1, work, machine = stage1_figure(r, host)
+    s = r["seconds"]
+    what = f"`{name}` ({r['topology']})"
+    s2_off = Figure(s["run_uncached"], "roofline", f"{what}: {r['steps']} steps at the roofline")
+    s2_on = Figure(s["run_cached"], "roofline", f"{what}: {schedule_label(r)}")
+    if decode is None:
+        s3 = Figure(None, "roofline", "no decode report")
+        cold = Figure(r["compile_seconds"], "measured", "stage 2 only (no decode report); "
+                      "deviceless compile on this machine")
+    else:
+        dname, d = decode
+        s3 = Figure(d["roofline_seconds"], "roofline", f"`{dname}`: the clip's decode")
+        cold = Figure(r["compile_seconds"] + d["compile_seconds"], "measured",
+                      f"stage 2 + stage 3 (`{dname}`), deviceless compile on this machine")
+    warm = Figure(WARM_STAGE2 + (0 if decode is None else WARM_STAGE3), "estimate", WARM_BASIS)
+    basis = "stage 1 + stage 2 {} + stage 3"
+    anchors = [a for a in ANCHORS if (a.model, a.topology) == (r["model"], r["topology"])]
+    return {
+        "row": name, "model": r["model"], "topology": r["topology"], "size": r["size"],
+        "steps": r["steps"], "schedule": schedule_label(r), "decode": None if decode is None
+        else decode[0], "host": None if machine is None else
+        {"machine": machine[0], "vcpus": machine[1], "source": machine[2]},
+        "stage1_work": [asdict(w) for w in work],
+        "figures": {k: asdict(v) for k, v in {
+            "stage1": s1, "stage2_uncached": s2_off, "stage2_cached": s2_on, "stage3": s3,
+            "compile_cold": cold, "compile_warm": warm,
+            "total_uncached": total([s1, s2_off, s3], basis.format("uncached")),
+            "total_cached": total([s1, s2_on, s3], basis.format("cached"))}.items()},
+        "anchors": [asdict(a) for a in anchors],
+    }
+
+
+def job_rows(host: dict, folder: Path = OUT) -> list[dict]:
+    """One row per pipeline x slice, the first ROWS entry of each that has a report."""
+    rows, seen = [], set()
+    for name, _ in ROWS:
+        r = read_report(name, folder)
+        if r is None or (key := (r["model"], r["topology"], r.get("cfg", 1))) in seen:
+            continue
+        seen.add(key)
+        rows.append(job_row(name, r, decode_for(name, folder), host))
+    return rows
+
+
+# --- the page -------------------------------------------------------------------------------------
+
+def _fig(row: dict, key: str) -> Figure:
+    return Figure(**row["figures"][key])
+
+
+def table_line(row: dict) -> str:
+    f = {k: _fig(row, k) for k in row["figures"]}
+    none = "no decode report"
+    s3, t_off, t_on = ((f["stage3"].cell(1), f["total_uncached"].cell(), f["total_cached"].cell())
+                       if row["decode"] else (none, none, none))
+    anchors = "; ".join(f"{a['text']} [M, {a['source'].split()[0]}]" for a in row["anchors"]) or "-"
+    h, w, frames = row["size"]
+    return (f"| {row['model']} {frames} x {h} x {w} | {row['topology']} | {f['stage1'].cell(1)} | "
+            f"{f['stage2_uncached'].cell(1)} | {f['stage2_cached'].cell(1)} ({row['schedule']}) | "
+            f"{s3} | {f['compile_cold'].cell()} | {f['compile_warm'].cell()} | "
+            f"{t_off} | {t_on} | {anchors} |")
+
+
+def stage1_line(row: dict, host: dict) -> str:
+    h = row["host"]
+    work = "; ".join(f"{w['what']}: {w['flops'] / 1e12:.1f} TFLOP at "
+                     f"{host['rates_gflops'][w['rate']]:.1f} GFLOP/s here" for w in row["stage1_work"])
+    where = "-" if h is None else f"{h['machine']}, {h['vcpus']} vCPUs ({h['source']})"
+    return f"| `{row['row']}` | {work} | {where} | {_fig(row, 'stage1').cell(1)} |"
+
+
+def readings(rows: list[dict]) -> list[str]:
+    """The anchors' measured seconds against our roofline for the same pipeline and slice, and
+    the I2V condition's share of stage 1."""
+    out, i2v = [], []
+    for row in rows:
+        work = row["stage1_work"]
+        if any(w["rate"] == "vae" for w in work):
+            vae = sum(w["flops"] for w in work if w["rate"] == "vae")
+            i2v.append(f"`{row['row']}` {vae / sum(w['flops'] for w in work):.0%}")
+        for a in row["anchors"]:
+            ours = _fig(row, "stage2_uncached").value
+            if a["model"].startswith("hunyuan") and a["seconds"]:
+                out.append(f"- {row['model']} on {row['topology']}: the anchor measured stage 2 at "
+                           f"{a['seconds']:.0f} s with stock splash; our roofline is {ours:.1f} s, "
+                           f"{a['seconds'] / ours:.1f}x below it: what kernels short of the chip's "
+                           "peaks (and anything the roofline leaves out) cost there.")
+            elif a["seconds"]:
+                job = _fig(row, "total_uncached").value
+                out.append(f"- {row['model']} on {row['topology']}: the anchor published "
+                           f"{a['seconds']:.1f} s; our uncached job (stage 1 estimate + roofline "
+                           + (f"stages 2 and 3) is {job:.0f} s" if job is not None else
+                              f"stage 2) has stage 2 at {ours:.1f} s") + ".")
+    if i2v:
+        out.append(f"- The Wan2.1 VAE encode of the I2V condition is most of stage 1's FLOPs on the "
+                   f"host ({', '.join(i2v)}); the anchor's Wan2.2 stage 1 runs that encode on the TPU "
+                   "(~30 s for all of stage 1 on v5p-8).")
+    return out
+
+
+def host_lines(host: dict) -> list[str]:
+    r = host["rates_gflops"]
+    return [
+        f"Stage-1 rates, measured {host['date']} on this machine ({host['cpu']}, {host['threads']} "
+        f"threads, load average {host['loadavg'][0]:.1f} from other jobs when it began, so a low "
+        "reading of this CPU): one real-size layer each, random weights, median of 3 timed runs "
+        f"after one warm-up: umT5-XXL {r['umt5']:.1f} GFLOP/s (bf16, 512 tokens), Qwen2.5-VL-7B "
+        f"{r['qwen']:.1f} (bf16, 1108 tokens), the Wan2.1 VAE encoder {r['vae']:.1f} (fp32, "
+        f"{host['vae_probe']}). A plain matmul of umT5's FFN shape: {r['matmul_bf16']:.1f} GFLOP/s "
+        f"in bf16, {r['matmul_fp32']:.1f} in fp32 (this CPU's bf16 instructions: "
+        f"{', '.join(host['bf16_native']) or 'none, no AVX512-BF16 or AMX'})"
+        + ("" if r["matmul_bf16"] >= r["matmul_fp32"] else
+           f": the bf16 that stage 1 runs its text encoders in on a CPU is "
+           f"{r['matmul_fp32'] / r['matmul_bf16']:.1f}x slower than fp32 here, so a host with native "
+           "bf16 (or fp32 text encoders) would shorten the text encodes") + ".",
+        "",
+        f"Measured, the whole stage 1 at tiny size: `python stage1_encode.py --prompt \"...\"` on "
+        f"the default tiny model ({host['tiny_model']}) takes {host['tiny_stage1_s']:.1f} s [M] "
+        "a process on this machine (median of 3; the interpreter and imports included).",
+    ]
+
+
+def page(rows: list[dict], host: dict) -> list[str]:
+    lines = [
+        "# The whole job: stage 1, stage 2, stage 3 and compile, per pipeline and slice",
+        "",
+        "`python bench/whole_job.py` (`--page_only`: from the reports under `bench/results/tpu_aot/` "
+        "and the last measurement in `whole_job.json`, which holds every figure below with its kind "
+        "and basis).",
+        "",
+        "Kinds: **[M]** measured (on what is said), **[R]** roofline (the compiled program's flops, "
+        "bytes and collectives at the chip's peaks: `bench/results/tpu_aot.md`; real steps run "
+        "slower), **[E]** estimate (its basis below). Seconds. Total = stage 1 + stage 2 + stage 3; "
+        "not counted: loading the weights, the compile (its columns), writing the mp4. Stage 2 "
+        "cached: the schedule the reports were compiled with, `--enable_cache`'s default; the "
+        "presets (TeaCache-based) decide per run, so they have no roofline without a trace.",
+        "",
+        "| pipeline (frames x H x W) | slice | stage 1 (host) | stage 2 uncached | stage 2 cached "
+        "(schedule) | stage 3 | compile cold (this 2-core machine) | compile warm | total uncached "
+        "| total cached | anchor, published |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *[table_line(r) for r in rows],
+        "",
+        "## How each kind is made",
+        "",
+        "- Stage 1 [E]: FLOPs counted from the encoders' architectures (2 a multiply-add; the "
+        "prompt and, with CFG, the negative prompt at the pipeline's full text length: an upper "
+        "bound, as stage 1 runs only the real tokens; the VAE encode counted by torch's flop counter "
+        "on the meta device) / the rate one real-size layer sustains on this CPU, scaled linearly "
+        "to the host's vCPUs (as if each sustained this CPU's rate per thread: optimistic in the "
+        "scaling, pessimistic in the rate, see below).",
+        "- Stage 2 and stage 3 [R]: the reports' roofline run (stage 2: every step, uncached or at "
+        "the schedule; stage 3: the clip's decode, first program + steady program per further "
+        "latent frame).",
+        "- Compile cold [M]: the reports' compile seconds, stage 2's programs + stage 3's, libtpu "
+        "compiling deviceless on this shared 2-core machine (a TPU VM host has 44-224 vCPUs).",
+        f"- Compile warm [E]: every program from the persistent cache (a second run compiles "
+        f"nothing: tests/test_compile_cache.py); loading them is not measured here (no TPU). "
+        f"{WARM_STAGE2:g} s for stage 2 + {WARM_STAGE3:g} s for stage 3, from {WARM_BASIS}.",
+        "- Totals [E]: sums of the figures beside them.",
+        "- Anchor [M, source]: published by another project on the same pipeline and slice class, "
+        "timed there; not comparable step for step (their kernels, schedules and what the time "
+        "covers differ).",
+        "",
+        "## Stage 1 on the host",
+        "",
+        "| row | work (FLOPs; rate here) | host | seconds |",
+        "|---|---|---|---|",
+        *[stage1_line(r, host) for r in rows],
+        "",
+        *host_lines(host),
+        "",
+        "## Anchors",
+        "",
+        *readings(rows),
+    ]
+    shown = {(r["model"], r["topology"]) for r in rows}
+    for a in ANCHORS:
+        if (a.model, a.topology) not in shown:
+            lines.append(f"- {a.model} on {a.topology} (not a pipeline and slice of the table): "
+                         f"{a.text} [M] ({a.source}).")
+    lines += ["", "Sources of the table's anchors: " + "; ".join(
+        f"{a.model} on {a.topology}: {a.source}" for a in ANCHORS if (a.model, a.topology) in shown)
+        + "."]
+    return lines
+
+
+# --- measuring this CPU ---------------------------------------------------------------------------
+
+def _median_seconds(fn, runs: int = 3) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(runs):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def _umt5_layer():
+    import torch
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    c = UMT5
+    model = UMT5EncoderModel(UMT5Config(
+        vocab_size=1000, d_model=c["d"], d_kv=64, num_heads=c["inner"] // 64, d_ff=c["ffn"],
+        num_layers=1, feed_forward_proj="gated-gelu", is_encoder_decoder=False)).bfloat16().eval()
+    ids = torch.randint(0, 1000, (1, 512))
+    return umt5_flops(512) / c["layers"], lambda: model(input_ids=ids)
+
+
+def _qwen_layer():
+    import torch
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    c = QWEN
+    model = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=1000, hidden_size=c["d"], intermediate_size=c["ffn"], num_hidden_layers=1,
+        num_attention_heads=c["q"] // 128, num_key_value_heads=c["kv"] // 128,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})).bfloat16().eval()
+    ids = torch.randint(0, 1000, (1, 1000 + QWEN_CROP))
+    return qwen_flops(ids.shape[1]) / c["layers"], lambda: model(input_ids=ids, output_hidden_states=True)
+
+
+VAE_PROBE = (I2V_VAE, 5, 128, 224)  # the encoder's causal first frame + one 4-frame chunk
+
+
+def _vae_encoder():
+    import torch
+
+    vae, video = _vae(I2V_VAE, "cpu"), torch.randn(1, 3, *VAE_PROBE[1:])
+    return vae_encoder_flops(*VAE_PROBE), lambda: vae.encode(video)
+
+
+def _matmul(dtype_name: str):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    x, y = torch.randn(512, UMT5["d"], dtype=dtype), torch.randn(UMT5["d"], UMT5["ffn"], dtype=dtype)
+    return 2 * x.shape[0] * x.shape[1] * y.shape[1], lambda: x @ y
+
+
+def gflops(build) -> float:
+    """GFLOP/s of the (flops, call) that `build` makes, its model freed after."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        flops, call = build()
+        return flops / _median_seconds(call) / 1e9
+
+
+def measure_host(vae_sizes: list[tuple[str, int, int, int]]) -> dict:
+    """This CPU's rates on one real-size layer of each encoder, a plain matmul in both dtypes,
+    the tiny default stage 1, and the VAE encode FLOPs at the sizes the rows need."""
+    import torch
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    load = os.getloadavg()
+    rates = {"umt5": gflops(_umt5_layer), "qwen": gflops(_qwen_layer), "vae": gflops(_vae_encoder),
+             "matmul_fp32": gflops(lambda: _matmul("float32")),
+             "matmul_bf16": gflops(lambda: _matmul("bfloat16"))}
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [sys.executable, str(ROOT / "stage1_encode.py"), "--prompt",
+                "red circle moves right on blue", "--output_dir", tmp, "-q", "--summary_json",
+                os.path.join(tmp, "s.json")]
+        tiny = _median_seconds(lambda: subprocess.run(argv, cwd=ROOT, check=True, capture_output=True))
+        tiny_model = json.loads(Path(tmp, "s.json").read_text())["model"]
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+               "unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), []))
+    return {"date": datetime.date.today().isoformat(), "cpu": cpu, "threads": torch.get_num_threads(),
+            "bf16_native": sorted(flags & {"avx512_bf16", "amx_bf16"}),
+            "loadavg": load, "rates_gflops": rates, "vae_probe": "x".join(map(str, VAE_PROBE[1:])),
+            "tiny_stage1_s": tiny, "tiny_model": tiny_model,
+            "vae_flops": {vae_key(*k): vae_encoder_flops(*k) for k in vae_sizes}}
+
+
+def i2v_sizes(folder: Path = OUT) -> list[tuple[str, int, int, int]]:
+    """The VAE encodes the rows' stage 1 needs (I2V reports' sizes)."""
+    sizes = set()
+    for name, _ in ROWS:
+        r = read_report(name, folder)
+        if r is not None and get_pipeline(r["model"]).task == "i2v":
+            height, width, frames = r["size"]
+            sizes.add((I2V_VAE, frames, height, width))
+    return sorted(sizes)
+
+
+def write(rows: list[dict], host: dict, page_path: Path = PAGE) -> str:
+    text = "\n".join(page(rows, host)) + "\n"
+    page_path.parent.mkdir(parents=True, exist_ok=True)
+    page_path.write_text(text)
+    page_path.with_suffix(".json").write_text(json.dumps({"host": host, "rows": rows}, indent=1) + "\n")
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--page_only", action="store_true", help="measure nothing: reuse the host "
+                    f"measurement in {DATA.relative_to(ROOT)}")
+    args = ap.parse_args(argv)
+    if args.page_only:
+        if not DATA.exists():
+            raise SystemExit(f"--page_only: {DATA.relative_to(ROOT)} does not exist; run "
+                             "`python bench/whole_job.py` once to measure this CPU")
+        host = json.loads(DATA.read_text())["host"]
+        for size in i2v_sizes():
+            host["vae_flops"].setdefault(vae_key(*size), vae_encoder_flops(*size))
+    else:
+        host = measure_host(i2v_sizes())
+    print(write(job_rows(host), host))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""bench/whole_job.py's page from fake reports: every figure carries the kind it is made as, the
+totals are the sums of their parts, and the rows follow bench/tpu_aot.py's ROWS and DECODE_ROWS."""
+
+import json
+
+import pytest
+
+from bench import whole_job as wj
+
+# 2 prompts x one umT5-XXL encode of 512 tokens, worked by hand: per layer
+# 2 * 512 * (4 * 4096 * 4096 + 3 * 4096 * 10240) + 4 * 512**2 * 4096 = 201,863,462,912; 24 layers
+UMT5_TWO_PROMPTS = 2 * 24 * 201_863_462_912
+I2V_VAE_FLOPS = 3.0e14
+HOST = {"date": "2026-01-01", "cpu": "test CPU", "threads": 2, "bf16_native": [],
+        "loadavg": [0.5, 0.5, 0.5], "vae_probe": "5x128x224", "tiny_stage1_s": 2.0,
+        "tiny_model": "wan-tiny-trained", "vae_flops": {"wan2.1-vae 81x720x1280": I2V_VAE_FLOPS},
+        "rates_gflops": {"umt5": 20.0, "qwen": 25.0, "vae": 50.0, "matmul_bf16": 20.0,
+                         "matmul_fp32": 80.0}}
+
+
+def _stage2(model, topology, size, steps, off, on, compile_s):
+    return {"model": model, "topology": topology, "size": size, "steps": steps, "cfg": 1,
+            "seconds": {"run_uncached": off, "run_cached": on}, "compile_seconds": compile_s,
+            "cache": {"config": {"deepcache": {"start": 11, "end": 45, "interval": 4}}},
+            "schedule": {"steps": steps, "computed_steps": 25, "branches_per_step": 2}}
+
+
+@pytest.fixture
+def rows(tmp_path, monkeypatch):
+    reports = {
+        "ti2v": _stage2("wan2.2-ti2v-5b", "v6e:2x4", [704, 1280, 121], 50, 10.0, 6.0, 100.0),
+        # the same pipeline and slice again (an alternative): not a row of its own
+        "ti2v-alt": _stage2("wan2.2-ti2v-5b", "v6e:2x4", [704, 1280, 121], 50, 99.0, 99.0, 1.0),
+        "a14b": _stage2("wan2.2-i2v-a14b", "v6e:2x4", [720, 1280, 81], 40, 70.0, 35.0, 130.0),
+        "vae-ti2v": {"roofline_seconds": 0.5, "compile_seconds": 300.0},
+    }
+    for name, r in reports.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    monkeypatch.setattr(wj, "ROWS", [("ti2v", ""), ("ti2v-alt", ""), ("a14b", ""), ("none", "")])
+    monkeypatch.setattr(wj, "DECODE_ROWS", [("vae-missing", "", "ti2v"), ("vae-ti2v", "", "ti2v")])
+    return wj.job_rows(HOST, tmp_path)
+
+
+def _figures(row):
+    return {k: wj.Figure(**v) for k, v in row["figures"].items()}
+
+
+def test_rows_kinds_and_totals(rows):
+    assert [r["row"] for r in rows] == ["ti2v", "a14b"]
+    ti2v, a14b = (_figures(r) for r in rows)
+    kinds = {"stage1": "estimate", "stage2_uncached": "roofline", "stage2_cached": "roofline",
+             "stage3": "roofline", "compile_cold": "measured", "compile_warm": "estimate",
+             "total_uncached": "estimate", "total_cached": "estimate"}
+    assert {k: f.kind for k, f in ti2v.items()} == kinds
+    # stage 1: FLOPs / (20 GFLOP/s here x 180 vCPUs of a v6e-8 host / 2 threads)
+    assert ti2v["stage1"].value == pytest.approx(UMT5_TWO_PROMPTS / (20e9 * 90))
+    assert ti2v["stage3"].value == 0.5 and "vae-ti2v" in ti2v["stage3"].basis
+    assert ti2v["compile_cold"].value == 400.0  # 100 (stage 2) + 300 (stage 3)
+    assert ti2v["compile_warm"].value == wj.WARM_STAGE2 + wj.WARM_STAGE3
+    assert ti2v["total_uncached"].value == pytest.approx(ti2v["stage1"].value + 10.0 + 0.5)
+    assert ti2v["total_cached"].value == pytest.approx(ti2v["stage1"].value + 6.0 + 0.5)
+    # I2V: the condition's VAE encode at the VAE rate, added to the text encodes
+    assert a14b["stage1"].value == pytest.approx(
+        UMT5_TWO_PROMPTS / (20e9 * 90) + I2V_VAE_FLOPS / (50e9 * 90))
+    # no decode report: stage 3 and the totals have no value, compile is stage 2's alone
+    assert a14b["stage3"].value is None and a14b["total_uncached"].value is None
+    assert a14b["compile_cold"].value == 130.0 and a14b["compile_warm"].value == wj.WARM_STAGE2
+    assert [a["seconds"] for a in rows[1]["anchors"]] == [184.7] and rows[0]["anchors"] == []
+
+
+def test_page_marks_every_figure(rows):
+    text = "\n".join(wj.page(rows, HOST))
+    s1 = UMT5_TWO_PROMPTS / (20e9 * 90)
+    line = next(x for x in text.splitlines() if x.startswith("| wan2.2-ti2v-5b"))
+    assert line == (f"| wan2.2-ti2v-5b 121 x 704 x 1280 | v6e:2x4 | {s1:.1f} [E] | 10.0 [R] | 6.0 [R] "
+                    "(DeepCache 11/45/4, 25/50 computed) | 0.5 [R] | 400 [M] | 10 [E] | "
+                    f"{s1 + 10.5:.0f} [E] | {s1 + 6.5:.0f} [E] | - |")
+    line = next(x for x in text.splitlines() if x.startswith("| wan2.2-i2v-a14b"))
+    assert line.count("no decode report") == 3 and "184.7 s" in line and "[M, gpu-tpu-pedia]" in line
+    assert "the anchor published 184.7 s" in text
+    assert "4.0x slower than fp32 here" in text  # 80 / 20 GFLOP/s
+    assert "(not a pipeline and slice of the table)" in text  # the v5p-8 and v7x-8 anchors
+
+
+def test_figure_kinds_and_sums():
+    with pytest.raises(ValueError, match="figure kind 'guess'"):
+        wj.Figure(1.0, "guess", "")
+    r, e = wj.Figure(2.0, "roofline", ""), wj.Figure(1.0, "estimate", "")
+    assert wj.total([r, r], "") == wj.Figure(4.0, "roofline", "")
+    assert wj.total([r, e], "") == wj.Figure(3.0, "estimate", "")
+    assert wj.total([r, wj.Figure(None, "roofline", "")], "").value is None
+    assert wj.Figure(12.34, "measured", "").cell(1) == "12.3 [M]"
