@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tpu.attention import BLOCK_Q, BLOCKS_BY_KIND  # noqa: E402
+from tpu.topology import CHIPS  # noqa: E402
 from tpu.vae_aot import dtype_label, strips_label  # noqa: E402  (decode cells, as it prints them)
 from tpu.vae_strips import MIN_STRIPS  # noqa: E402
 
@@ -50,6 +51,7 @@ ROWS = [
     ("ti2v5b-v5e8", "--model wan2.2-ti2v-5b --topology v5e:2x4 --sp_size 8"),
     ("ti2v5b-v5p4", "--model wan2.2-ti2v-5b --topology v5p:2x2x1 --sp_size 4"),
     ("ti2v5b-v5e16-cfg", "--model wan2.2-ti2v-5b --topology v5e:4x4 --sp_size 8 --cfg_parallel"),
+    ("ti2v5b-v7x8", "--model wan2.2-ti2v-5b --topology v7x:2x2x1 --sp_size 8"),
     ("a14b-v6e8", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8"),
     ("a14b-v6e8-swap", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8 --swap_experts"),
     ("a14b-v6e8-replicated", "--model wan2.2-i2v-a14b --topology v6e:2x4 --sp_size 8 "
@@ -57,6 +59,9 @@ ROWS = [
     ("a14b-v5e8", "--model wan2.2-i2v-a14b --topology v5e:2x4 --sp_size 8"),
     ("a14b-v5e16-cfg", "--model wan2.2-i2v-a14b --topology v5e:4x4 --sp_size 8 --cfg_parallel"),
     ("a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1 --sp_size 4"),
+    ("a14b-v7x8", "--model wan2.2-i2v-a14b --topology v7x:2x2x1 --sp_size 8"),
+    # maxdiffusion's v7x-8 split (V7X_ANCHOR): the two guidance branches on 2 x 4 devices
+    ("a14b-v7x8-cfg", "--model wan2.2-i2v-a14b --topology v7x:2x2x1 --sp_size 4 --cfg_parallel"),
 ]
 # Stage 3: each pipeline's VAE decode at its default size (stage 3's default fp32), beside the
 # stage-2 row whose roofline run it is measured against
@@ -69,6 +74,8 @@ DECODE_ROWS = [
     ("vae-a14b-v6e8", "--model wan2.2-i2v-a14b --topology v6e:2x4", "a14b-v6e8"),
     ("vae-a14b-v5e8", "--model wan2.2-i2v-a14b --topology v5e:2x4", "a14b-v5e8"),
     ("vae-a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1", "a14b-v5p4"),
+    ("vae-ti2v5b-v7x8", "--model wan2.2-ti2v-5b --topology v7x:2x2x1", "ti2v5b-v7x8"),
+    ("vae-a14b-v7x8", "--model wan2.2-i2v-a14b --topology v7x:2x2x1", "a14b-v7x8"),
     ("vae-hy15-720p-v6e8", "--model hunyuanvideo-1.5-720p_t2v --topology v6e:2x4", "hy15-720p-v6e8"),
     ("vae-hy15-720p-v5e8", "--model hunyuanvideo-1.5-720p_t2v --topology v5e:2x4", "hy15-720p-v5e8"),
     ("vae-hy15-720p-v5p4", "--model hunyuanvideo-1.5-720p_t2v --topology v5p:2x2x1", "hy15-720p-v5p4"),
@@ -109,6 +116,16 @@ UNDERCOUNTED: dict[str, str] = {}  # every such report has been compiled again
 ANCHOR = ("HunyuanVideo-1.5 720p 121 frames on v6e-8, measured by the anchor (gpu-tpu-pedia, "
           "tpu_notes 1.8): 7.29 s/step with stock splash, 5.81 s/step with its exp2 kernel, "
           "DeepCache ~1.8x (1.83x measured at 49 frames)")
+# Published figures of another project on v7x-8, not measured here (the table's I2V-A14B v7x rows
+# stand beside it; bench/whole_job.py keeps it as that row's anchor)
+V7X_ANCHOR = ("maxdiffusion's v7x-8 figure (its README's ring-attention table; tpu_notes 2.5): Wan2.2 "
+              "A14B (by its 40 steps; T2V or I2V not stated) at 720p, 81 frames, 40 steps, CFG on 2 "
+              "x context 4, 194.4 s end to end with Tokamax flash attention")
+V7X_ROWS = ("a14b-v7x8", "a14b-v7x8-cfg")  # the rows set beside it
+# what became of the v7x decode rows, while they have no report
+V7X_DECODE = ("The v7x decode rows have no report: vae-ti2v5b-v7x8 was still compiling after 15 "
+              "minutes (stopped; this 2-core machine then also ran two other jobs, load average "
+              "5-8, where vae-ti2v5b-v6e8 compiled in 363 s).")
 # the day the `a -> b` rows and the Wan decode rows were compiled (the reports keep no date)
 COMPILED_ON = "2026-11-26"
 
@@ -119,6 +136,46 @@ def v5_blocks() -> str:
     return (f"v5e and v5p compile splash with {query}-row query blocks (tpu/attention.py "
             f"BLOCKS_BY_KIND): the stock {BLOCK_Q}-row blocks ask more scoped VMEM in Wan2.2 "
             "TI2V-5B's middle than those chips give a kernel (libtpu's CompileTimeScopedVmemOom).")
+
+
+def v7x_lines() -> list[str]:
+    """What a v7x row's figures are per (a device: half a chip), where they come from, and the
+    I2V-A14B rows' rooflines beside maxdiffusion's v7x-8 figure (from the reports present)."""
+    chip = CHIPS["v7x"]
+    text = (f"v7x (TPU7x, Ironwood): libtpu {_version('libtpu')} knows the v7x-8 slice as tpu7x:2x2x1 "
+            "(it refuses v7x:2x2x1, which `tpu.topology` translates) and gives 8 devices for its 4 "
+            f"chips, one per TensorCore (device_kind {chip.device_kind}, two at each chip's "
+            "coordinates), so the v7x rows run sp 8 (or cfg 2 x sp 4) and every per-chip figure of "
+            f"a v7x row is per device: {chip.hbm_bytes / GiB:.2f} GiB of HBM (the compiler's limit, "
+            "as for the other chips; 192 GiB a chip), "
+            f"{chip.bf16_flops / 1e12:.1f} TFLOP/s bf16 and {chip.hbm_bandwidth / 1e9:.0f} GB/s of "
+            "HBM (half the chip's 2307 TFLOP/s and 7380 GB/s: docs.cloud.google.com/tpu/docs/tpu7x), "
+            f"{chip.ici_bandwidth / 1e9:.0f} GB/s of ICI (half the chip's 1200 GB/s bidirectional: "
+            "an assumption, as no page read here says how a chip's links divide between its two "
+            "chiplets). The roofline counts a collective between the two devices of one chip at "
+            "that ICI rate, though it runs die to die, and the placement counts it as 0 hops. "
+            "Slice shapes: xpk's tpu7x list (the stored copy of the Cloud TPU page ends before its "
+            "configurations); where a v7x slice wraps around is taken to be v5p's case. Splash "
+            f"compiles with the stock {BLOCK_Q}-row blocks on v7x (no VMEM refusal, so no "
+            "BLOCKS_BY_KIND entry). libtpu compiles v7x programs in two forms the HLO reader "
+            "(tpu/hlo.py) had not met: collectives offloaded to SparseCore computations, which "
+            "close with `}, execution_thread=\"sparsecore\"` ahead of the entry, and FSDP matmuls "
+            "as windowed einsums, loops over the weight's shards with a u32 counter stepping by 2; "
+            "read as before, half those matmuls' flops were dropped. The v7x rows were compiled "
+            "beside two other jobs (load average 5-8): their compile seconds are high for it.")
+    reports = [(name, _report(name)) for name in V7X_ROWS]
+    shown = [(name, r) for name, r in reports if r is not None]
+    if shown:
+        text += (f" Beside {V7X_ANCHOR}: our stage-2 roofline for wan2.2-i2v-a14b at "
+                 f"{shown[0][1]['size'][0]} x {shown[0][1]['size'][1]}, {shown[0][1]['size'][2]} "
+                 f"frames, {shown[0][1]['steps']} steps, "
+                 + "; ".join(f"cfg {r['cfg']} x sp {r['sp']} ({name}): {r['seconds']['run_uncached']:.0f} "
+                             f"s uncached, {r['seconds']['run_cached']:.0f} s with the cache schedule"
+                             for name, r in shown)
+                 + " (stage 1, the decode and the whole job: bench/results/whole_job.md).")
+    if not any(_report(name) for name, *_ in DECODE_ROWS if "v7x" in name):
+        text += " " + V7X_DECODE
+    return _wrap(text)
 
 
 def _version(package: str) -> str:
@@ -176,7 +233,8 @@ def decode_line(r: dict, stage2: dict | None) -> str:
             f"{_share(r['roofline_seconds_traffic'], traffic2['run_cached'])} of " \
             f"{traffic2['run_cached']:.1f} s"
     return (f"| {r['model']} ({r['vae']}, {dtype_label(r)}) | {r['topology']} ({chip['name']}) | "
-            f"{r['devices']} of {r['chips']} ({r.get('split', 'rows')}{strips_label(r)}) | "
+            f"{r['devices']} of {r['chips']}{'' if _per_device(chip) == '' else ' devices'} "
+            f"({r.get('split', 'rows')}{strips_label(r)}) | "
             f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
             f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
             f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "
@@ -287,12 +345,19 @@ def row_line(name: str, args: str, r: dict) -> str:
     weights = r["weight_sharding"] + (" (1 expert resident)" if r["swap_experts"] else "")
     verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
-    return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB) "
-            f"| {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} | {verdict} "
-            f"| {m['total'] / GiB:.1f} "
+    return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB"
+            f"{_per_device(chip)}) | {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} "
+            f"| {verdict} | {m['total'] / GiB:.1f} "
             f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {_flops_step(r):.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
             f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) | {_traffic_cell(s.get('traffic'))} |")
+
+
+def _per_device(chip: dict) -> str:
+    """Where a JAX device is less than a chip (v7x: one TensorCore), the row's figures are per
+    device: said in its slice cell."""
+    n = chip.get("devices_per_chip", 1)
+    return "" if n == 1 else f" a device, {n} a chip"
 
 
 def _traffic_cell(t: dict | None) -> str:
@@ -394,7 +459,8 @@ def placement_lines() -> list[str]:
             "orders (tests/test_tpu_aot.py compiles one program both ways on v5e:4x4) and only the "
             "chip behind each partition id differs: both columns come from one compile. Runs: per "
             "call of each program, summed over the programs it occurs in. Rings closed: the distinct "
-            "groups whose every step is one hop. GB x hops: the bytes a chip "
+            "groups whose every step is one hop (or none: between the two devices of a v7x chip). "
+            "GB x hops: the bytes a chip "
             "receives over ICI per call times the mean hops of its collective's steps. The compiler's "
             "collective emitters may route a ring otherwise: hops model the traffic, they do not "
             "measure it.")
@@ -506,7 +572,7 @@ def main():
         if report is not None:
             lines.append(row_line(name, row_args, report))
     missing = [name for name, _ in ROWS if not (OUT / f"{name}.json").exists()]
-    lines += ["", f"Anchor: {ANCHOR}.", "", v5_blocks(), "", *placement_lines()]
+    lines += ["", f"Anchor: {ANCHOR}.", "", v5_blocks(), "", *v7x_lines(), "", *placement_lines()]
     stale = [name for name in UNDERCOUNTED if (OUT / f"{name}.json").exists()]
     if stale:
         lines += ["Collectives undercounted in the reports of " + ", ".join(stale) + " (compiled "

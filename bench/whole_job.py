@@ -68,6 +68,8 @@ HOSTS = {
                 "docs.cloud.google.com/tpu/docs/v5e, VM types"),
     "v5p:2x2x1": ("v5p-8 host", 208, "docs.cloud.google.com/tpu/docs/v5p-training; half of them "
                   "under NUMA binding"),
+    "v7x:2x2x1": ("tpu7x-standard-4t", 224, "docs.cloud.google.com/tpu/docs/tpu7x, system "
+                  "architecture (vCPUs of the 4-chip VM); the machine type as xpk names it"),
 }
 
 # Warm compile: every program comes from the persistent cache (tests/test_compile_cache.py: a
@@ -99,9 +101,12 @@ ANCHORS = [
     Anchor("wan2.2-i2v-a14b", "v5p:2x2x1",
            "720x1280, 81 frames, 40 steps: stage 1 ~30 s (VAE encode on the TPU), stage 2 ~180 s, "
            "stage 3 ~20 s, ~230 s in all", 230.0, "gpu-tpu-pedia tpu/Wan2.2/README.md; tpu_notes 1.8"),
-    Anchor("wan2.2 A14B (T2V or I2V not stated)", "v7x-8",
-           "Wan2.2 720p 81 frames, 40 steps, CFG on 2 x context 4: 194.4 s end to end (Tokamax "
-           "flash)", 194.4, "maxdiffusion README ring-attention table; tpu_notes 2.5"),
+    # matched to I2V-A14B on v7x-8 (v7x:2x2x1), the closest of the table's rows: Wan2.2's 40 steps
+    # at 720p are A14B's; maxdiffusion does not say T2V or I2V
+    Anchor("wan2.2-i2v-a14b", "v7x:2x2x1",
+           "Wan2.2 A14B (T2V or I2V not stated) 720p 81 frames, 40 steps, CFG on 2 x context 4: "
+           "194.4 s end to end (Tokamax flash)", 194.4,
+           "maxdiffusion README ring-attention table; tpu_notes 2.5"),
 ]
 
 
@@ -263,7 +268,8 @@ def job_row(name: str, r: dict, decode: tuple[str, dict] | None, host: dict) -> 
     basis = "stage 1 + stage 2 {} + stage 3"
     anchors = [a for a in ANCHORS if (a.model, a.topology) == (r["model"], r["topology"])]
     return {
-        "row": name, "model": r["model"], "topology": r["topology"], "size": r["size"],
+        "row": name, "model": r["model"], "topology": r["topology"], "cfg": r.get("cfg", 1),
+        "sp": r.get("sp"), "size": r["size"],
         "steps": r["steps"], "schedule": schedule_label(r), "decode": None if decode is None
         else decode[0], "host": None if machine is None else
         {"machine": machine[0], "vcpus": machine[1], "source": machine[2]},
@@ -295,14 +301,21 @@ def _fig(row: dict, key: str) -> Figure:
     return Figure(**row["figures"][key])
 
 
-def table_line(row: dict) -> str:
+def _slice(row: dict, rows: list[dict]) -> str:
+    """The row's slice, with its mesh where another row has the same pipeline and slice (I2V-A14B
+    on v7x-8 as sp 8 and as maxdiffusion's cfg 2 x sp 4)."""
+    twins = sum((r["model"], r["topology"]) == (row["model"], row["topology"]) for r in rows)
+    return row["topology"] + (f" (cfg {row['cfg']} x sp {row['sp']})" if twins > 1 else "")
+
+
+def table_line(row: dict, rows: list[dict] = ()) -> str:
     f = {k: _fig(row, k) for k in row["figures"]}
     none = "no decode report"
     s3, t_off, t_on = ((f["stage3"].cell(1), f["total_uncached"].cell(), f["total_cached"].cell())
                        if row["decode"] else (none, none, none))
     anchors = "; ".join(f"{a['text']} [M, {a['source'].split()[0]}]" for a in row["anchors"]) or "-"
     h, w, frames = row["size"]
-    return (f"| {row['model']} {frames} x {h} x {w} | {row['topology']} | {f['stage1'].cell(1)} | "
+    return (f"| {row['model']} {frames} x {h} x {w} | {_slice(row, rows or [row])} | {f['stage1'].cell(1)} | "
             f"{f['stage2_uncached'].cell(1)} | {f['stage2_cached'].cell(1)} ({row['schedule']}) | "
             f"{s3} | {f['compile_cold'].cell()} | {f['compile_warm'].cell()} | "
             f"{t_off} | {t_on} | {anchors} |")
@@ -328,13 +341,13 @@ def readings(rows: list[dict]) -> list[str]:
         for a in row["anchors"]:
             ours = _fig(row, "stage2_uncached").value
             if a["model"].startswith("hunyuan") and a["seconds"]:
-                out.append(f"- {row['model']} on {row['topology']}: the anchor measured stage 2 at "
+                out.append(f"- {row['model']} on {_slice(row, rows)}: the anchor measured stage 2 at "
                            f"{a['seconds']:.0f} s with stock splash; our roofline is {ours:.1f} s, "
                            f"{a['seconds'] / ours:.1f}x below it: what kernels short of the chip's "
                            "peaks (and anything the roofline leaves out) cost there.")
             elif a["seconds"]:
                 job = _fig(row, "total_uncached").value
-                out.append(f"- {row['model']} on {row['topology']}: the anchor published "
+                out.append(f"- {row['model']} on {_slice(row, rows)}: the anchor published "
                            f"{a['seconds']:.1f} s; our uncached job (stage 1 estimate + roofline "
                            + (f"stages 2 and 3) is {job:.0f} s" if job is not None else
                               f"stage 2) has stage 2 at {ours:.1f} s") + ".")
@@ -386,7 +399,7 @@ def page(rows: list[dict], host: dict) -> list[str]:
         "(schedule) | stage 3 | compile cold (this 2-core machine) | compile warm | total uncached "
         "| total cached | anchor, published |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
-        *[table_line(r) for r in rows],
+        *[table_line(r, rows) for r in rows],
         "",
         "## How each kind is made",
         "",

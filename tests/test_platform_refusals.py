@@ -70,6 +70,12 @@ AOT = [
      "expected v5p:2x2x1, v5p:2x2x2, v5p:2x2x4, v5p:2x4x4, or whole 4x4x4 cubes"),
     (["--topology", "v5p:8x4x4"], "A <= B <= C multiples of 4"),
     (["--topology", "v5p:16x16x28"], "at most 96 cubes (v5p:16x16x24)"),
+    (["--topology", "v7x:2x2x3"], "--topology v7x:2x2x3: not a v7x slice Cloud TPU offers; "
+     "expected v7x:1x1x1, v7x:2x2x1, v7x:2x2x2, v7x:2x2x4, v7x:2x4x4, or whole 4x4x4 cubes"),
+    (["--topology", "v7x:16x24x28"], "at most 144 cubes (v7x:16x24x24)"),
+    (["--topology", "v7x:2x2"], "--topology 'v7x:2x2': v7x slices are 3-dimensional, e.g. v7x:2x2x1"),
+    (["--topology", "v7x:2x2x1", "--sp_size", "4"], "--sp_size 4 uses 4 device(s); topology "
+     "v7x:2x2x1 has 8 (2 a chip): give --sp_size 8, or a 4-device topology"),
     (["--topology", "v6e:2x2", "--sp_size", "8"], "topology v6e:2x2 has 4: give --sp_size 4"),
     (["--swap_experts", "--weight_sharding", "fsdp"], "--swap_experts plans for whole experts"),
 ]
@@ -95,7 +101,11 @@ def test_aot_refuses_before_loading_libtpu(no_work, capfd, argv, message):
     ("v5p:2x2x1", "v5p", (2, 2, 1)), ("v5p:2x2x2", "v5p", (2, 2, 2)), ("v5p:2x2x4", "v5p", (2, 2, 4)),
     ("v5p:2x4x4", "v5p", (2, 4, 4)), ("v5p:4x4x4", "v5p", (4, 4, 4)), ("v5p:4x4x8", "v5p", (4, 4, 8)),
     ("v5p:4x8x8", "v5p", (4, 8, 8)), ("v5p:8x16x16", "v5p", (8, 16, 16)),
-    ("v5p:4x4x92", "v5p", (4, 4, 92)), ("v5p:16x16x24", "v5p", (16, 16, 24))])
+    ("v5p:4x4x92", "v5p", (4, 4, 92)), ("v5p:16x16x24", "v5p", (16, 16, 24)),
+    ("v7x:1x1x1", "v7x", (1, 1, 1)), ("v7x:2x2x1", "v7x", (2, 2, 1)), ("v7x:2x2x2", "v7x", (2, 2, 2)),
+    ("v7x:2x2x4", "v7x", (2, 2, 4)), ("v7x:2x4x4", "v7x", (2, 4, 4)), ("v7x:4x4x4", "v7x", (4, 4, 4)),
+    ("v7x:4x4x8", "v7x", (4, 4, 8)), ("v7x:4x12x124", "v7x", (4, 12, 124)),
+    ("v7x:16x16x32", "v7x", (16, 16, 32)), ("v7x:16x24x24", "v7x", (16, 24, 24))])
 def test_every_documented_slice_shape_is_taken(name, generation, dims):
     """Each shape Cloud TPU documents parses to its generation's chip and its chips per axis,
     in the order given (a 2D slice's third axis 1)."""

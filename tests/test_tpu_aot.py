@@ -55,6 +55,19 @@ def test_topology_gives_the_slice_and_its_chip(slice_v6e):
     assert {d.platform for d in devices} == {"tpu"}
 
 
+def test_v7x_is_two_devices_a_chip_under_libtpus_name():
+    """v7x:2x2x1 (v7x-8) is libtpu's tpu7x:2x2x1: 4 chips, each two TensorCore devices that
+    share its coordinates; make_mesh runs one sp ring through all 8."""
+    chip, devices = topology_devices("v7x:2x2x1")
+    assert chip.name == "v7x" and chip.devices_per_chip == 2 and len(devices) == 8
+    assert {d.device_kind for d in devices} == {chip.device_kind}
+    coords = sorted((*d.coords, d.core_on_chip) for d in devices)
+    assert coords == [(x, y, 0, c) for x in (0, 1) for y in (0, 1) for c in (0, 1)]
+    ring = [(*d.coords, d.core_on_chip) for d in make_mesh(8, 1, devices).devices.flat]
+    assert all(sum(abs(a - b) for a, b in zip(p, q, strict=True)) == 1
+               for p, q in zip(ring, ring[1:] + ring[:1], strict=True))
+
+
 @pytest.mark.parametrize("name", ["wan-tiny-i2v", "hunyuanvideo-tiny"])
 def test_stage_programs_compile_for_tpu_with_the_splash_kernel(slice_v6e, name):
     _, devices = slice_v6e
@@ -200,6 +213,9 @@ def test_wraparound_only_where_the_slice_has_it():
     assert wraparound(CHIPS["v6e"], (8, 16, 1)) == (False, True, False)
     assert wraparound(CHIPS["v5p"], (4, 4, 8)) == (True, True, True)
     assert wraparound(CHIPS["v5p"], (2, 2, 4)) == (False, False, False)
+    # v7x taken as v5p (cubes joined by optical switches): an assumption, tpu/topology.py
+    assert wraparound(CHIPS["v7x"], (4, 4, 8)) == (True, True, True)
+    assert wraparound(CHIPS["v7x"], (2, 2, 1)) == (False, False, False)
     assert tpu_placement.hops((0, 0, 0), (3, 0, 0), (4, 4, 1), (False,) * 3) == 3
     assert tpu_placement.hops((0, 0, 0), (15, 3, 0), (16, 16, 1), (True, True, False)) == 4
 
@@ -348,13 +364,28 @@ def test_command_prints_the_plan_and_refuses_bad_topologies(tmp_path):
     assert placement["orders"]["mesh"]["sp_ring_steps"] == [[1, 1], [1, 1]]
     assert "collectives on the 2x2x1 chips (no wraparound): mesh: sp rings closed" in out.stdout
     for args, message in [
-        (("--topology", "v7x:2x2"), "expected <generation>"),
+        (("--topology", "v4:2x2x1"), "expected <generation>"),
+        (("--topology", "v7x:2x2"), "3-dimensional"),
         (("--topology", "v6e:2x2x2"), "2-dimensional"),
         (("--topology", "v6e:2x2", "--sp_size", "8"), "topology v6e:2x2 has 4"),
         (("--topology", "v6e:2x4", "--sp_size", "4"), "has 8: give --sp_size 8"),
     ]:
         bad = _cli("--model", "wan-tiny-ti2v", *args)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr[-2000:]
+
+
+def test_command_compiles_for_v7x_per_device(tmp_path):
+    """v7x-8 runs sp 8 over its 4 chips' 8 devices; the report's figures are per device, and its
+    sp ring alternates die-to-die steps (0 ICI hops) with 1-hop ones."""
+    out = _cli("--model", "wan-tiny-ti2v", "--topology", "v7x:2x2x1", "--sp_size", "8",
+               "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["chips"] == 8 and report["chip"]["devices_per_chip"] == 2
+    assert report["memory"]["hbm"] == CHIPS["v7x"].hbm_bytes
+    mesh = report["placement"]["orders"]["mesh"]
+    assert sorted(mesh["sp_ring_steps"][0]) == [0] * 4 + [1] * 4 and mesh["sp_rings_closed"]
+    assert '2 a chip; "per chip" below is per device' in out.stdout
 
 
 def test_missing_libtpu_is_named_with_the_install_line(monkeypatch):
@@ -429,6 +460,42 @@ def test_loop_accounting_counts_a_body_per_iteration():
     ])
     assert tpu.hlo.loops(hlo) == {"main": [("body", 5)]}
     assert tpu.hlo.collectives(hlo)["all-gather"]["count"] == 6
+
+
+def test_loop_accounting_reads_v7x_sparsecore_computations_and_windowed_einsums():
+    """libtpu for v7x closes a SparseCore computation with `}, execution_thread=...` ahead of the
+    entry (read as a bare `}` only, the entry was lost in it), and runs an FSDP matmul as a
+    windowed einsum: a u32 counter from 0 by 2 below 4, two iterations (counted once, half the
+    matmul's flops were dropped)."""
+    hlo = "\n".join([
+        "HloModule m",
+        "%offloaded (p: bf16[4]) -> bf16[8] {",
+        "  %ag = bf16[8]{0} all-gather(%p), replica_groups=[1,2]<=[2], dimensions={0}",
+        '}, execution_thread="sparsecore"',
+        "%windowed_cond (p: (bf16[8], u32[])) -> pred[] {",
+        "  %c = u32[]{:T(128)} constant(4), metadata={}",
+        "  %p = (bf16[8], u32[]) parameter(0)",
+        "  %i = u32[]{:T(128)} get-tuple-element(%p), index=1, metadata={}",
+        "  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT, metadata={}",
+        "}",
+        "%windowed_body (p: (bf16[8], u32[])) -> (bf16[8], u32[]) {",
+        "  %two..sunk = u32[]{:T(128)} constant(2), metadata={}",
+        "  %p = (bf16[8], u32[]) parameter(0)",
+        "  %i = u32[]{:T(128)} get-tuple-element(%p), index=1",
+        "  %x = bf16[8]{0} get-tuple-element(%p), index=0",
+        "  %next = u32[]{:T(128)} add(%i, %two..sunk), metadata={}",
+        "  ROOT %t = (bf16[8]{0}, u32[]{:T(128)}) tuple(%x, %next)",
+        "}",
+        "ENTRY %main (a: bf16[8]) -> bf16[8] {",
+        "  %zero = u32[]{:T(128)} constant(0)",
+        "  %start = u32[]{:T(128)} copy(%zero)",
+        "  %init = (bf16[8]{0}, u32[]{:T(128)}) tuple(%a, /*index=1*/%start)",
+        "  %w = (bf16[8]{0}, u32[]{:T(128)}) while(%init), condition=%windowed_cond, "
+        "body=%windowed_body, backend_config={}",
+        "}",
+    ])
+    assert tpu.hlo.computations(hlo)[1] == "main"
+    assert tpu.hlo.loops(hlo) == {"main": [("windowed_body", 2)]}
 
 
 def test_loop_accounting_reads_past_a_kernel_whose_text_runs_over_lines():

@@ -67,7 +67,7 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
 def test_command_refuses_bad_input_before_any_compile(capsys):
     for args, message in [
         (("--model", "wan-tiny-trained", "--topology", "v6e:1x1"), "pixel space"),
-        (("--model", "wan-tiny-ti2v", "--topology", "v7x:2x2"), "expected <generation>"),
+        (("--model", "wan-tiny-ti2v", "--topology", "v4:2x2x1"), "expected <generation>"),
         (("--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--video_length", "8"),
          "--video_length 8"),
         (("--model", "wan-tiny-s2v", "--topology", "v6e:1x1"), "clip by clip"),

@@ -90,3 +90,12 @@ def test_figure_kinds_and_sums():
     assert wj.total([r, e], "") == wj.Figure(3.0, "estimate", "")
     assert wj.total([r, wj.Figure(None, "roofline", "")], "").value is None
     assert wj.Figure(12.34, "measured", "").cell(1) == "12.3 [M]"
+
+
+def test_every_anchor_and_host_is_a_pipeline_and_slice_of_the_table():
+    """An anchor or a host keyed otherwise than a row's `--model` and `--topology` is never shown
+    beside a row (the v7x-8 anchor was keyed "v7x-8" before the table had v7x rows)."""
+    from bench.tpu_aot import ROWS
+    slices = {(args.split()[1], args.split()[3]) for _, args in ROWS}
+    assert {(a.model, a.topology) for a in wj.ANCHORS} <= slices
+    assert set(wj.HOSTS) <= {topology for _, topology in slices}

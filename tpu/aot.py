@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_path", help="checkpoint to check (headers only; no tensor is read); "
                    "default: the architecture of --model on the meta device")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v6e:2x4 (v6e-8), v6e:1x1, "
-                   "v5e:2x4, v5p:2x2x1")
+                   "v5e:2x4, v5p:2x2x1, v7x:2x2x1 (v7x-8: 4 chips, 8 devices)")
     p.add_argument("--sp_size", type=int, default=1, help="sequence-parallel devices (default 1)")
     p.add_argument("--cfg_parallel", action="store_true", help="cond and uncond on two device "
                    "groups (a fused pair; 2 x sp_size chips)")
@@ -123,7 +123,8 @@ def run(args) -> dict:
     # Every flag is checked before libtpu is loaded (its setup noise, seconds) and long before the
     # compile (minutes at real sizes): a refusal is one line, at once.
     chip, dims = parse_topology(args.topology)
-    chips = math.prod(dims)  # one JAX device per chip on v5e, v5p (megacore) and v6e
+    # one JAX device per chip on v5e, v5p (megacore) and v6e; two (one per TensorCore) on v7x
+    chips = math.prod(dims) * chip.devices_per_chip
     pipe = get_pipeline(args.model)
     # the resolution stage 2 makes of the same flags (sampling.run_spec): the same refusals
     config = with_cfg_parallel(config_from_args(args), args.cfg_parallel, args.cfg_mode)
@@ -131,11 +132,13 @@ def run(args) -> dict:
     if sp < 1:
         raise AotError(f"--sp_size {sp}: expected >= 1")
     if sp * cfg != chips:
+        unit = "chip" if chip.devices_per_chip == 1 else "device"
         raise AotError(f"--sp_size {sp}{' --cfg_parallel' if cfg > 1 else ''} uses {sp * cfg} "
-                       f"chip(s); topology {args.topology} has {chips}: give --sp_size "
-                       f"{chips // cfg if chips % cfg == 0 else chips}"
+                       f"{unit}(s); topology {args.topology} has {chips}"
+                       + ("" if unit == "chip" else f" ({chip.devices_per_chip} a chip)")
+                       + f": give --sp_size {chips // cfg if chips % cfg == 0 else chips}"
                        f"{' --cfg_parallel' if cfg > 1 and chips % cfg == 0 else ''}, or a "
-                       f"{sp * cfg}-chip topology")
+                       f"{sp * cfg}-{unit} topology")
     if args.computed_fraction is not None and not 0 < args.computed_fraction <= 1:
         raise AotError(f"--computed_fraction {args.computed_fraction}: expected in (0, 1]")
     size, latent_shape = size_of(pipe, (args.height, args.width, args.video_length))
@@ -156,9 +159,9 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     chip, devices = topology_devices(args.topology)
-    if len(devices) != chips:  # the chip count the checks above assumed
+    if len(devices) != chips:  # the device count the checks above assumed
         raise AotError(f"--topology {args.topology}: libtpu gave {len(devices)} devices for "
-                       f"{chips} chips")
+                       f"{math.prod(dims)} chips, {chips} expected")
     models = _models(pipe, args.model_path, dtype)
     mesh = make_mesh(sp, cfg, devices) if sp * cfg > 1 else None
     plan = SignalPlan.from_config(config)
@@ -229,12 +232,19 @@ def _collectives(c: dict) -> str:
     return ", ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.0f} MiB)" for k, v in sorted(c.items())) or "-"
 
 
+def _device_note(chip: dict) -> str:
+    """Where a JAX device is less than a chip (v7x: one TensorCore), what "per chip" below means."""
+    n = chip.get("devices_per_chip", 1)
+    return "" if n == 1 else f" TensorCore devices, {n} a chip; \"per chip\" below is per device"
+
+
 def format_summary(r: dict) -> str:
     m, s, sch = r["memory"], r["seconds"], r["schedule"]
     chip = r["chip"]
     lines = [
-        f"{r['model']} on {r['topology']} ({r['chips']} x {chip['name']}, {_gib(chip['hbm_bytes'])} "
-        f"GiB HBM each): sp {r['sp']}, cfg {r['cfg']}, weights {r['weight_sharding']}"
+        f"{r['model']} on {r['topology']} ({r['chips']} x {chip['name']}{_device_note(chip)}, "
+        f"{_gib(chip['hbm_bytes'])} GiB HBM each): sp {r['sp']}, cfg {r['cfg']}, weights "
+        f"{r['weight_sharding']}"
         + (" (one expert on the device)" if r["swap_experts"] else "")
         + f", {r['dtype']}, attention {r['attention']}",
         f"  {r['size'][0]}x{r['size'][1]}, {r['size'][2]} frames -> latents {r['latent_shape']} "

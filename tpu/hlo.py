@@ -172,11 +172,13 @@ def _mesh_groups(mesh: str, axes: str) -> tuple[tuple[int, ...], ...] | None:
     return tuple(tuple(int(i) for i in g) for g in ids)
 
 
-# A computation: `[ENTRY ]%name (params) -> result {`, its instructions, then `}` alone on a line.
-# An instruction's text can run over several lines starting at column 0 (a Mosaic kernel's
-# custom call carries its metadata with newlines; one such line starts `}},`), so the end is
-# the bare `}` and nothing else.
+# A computation: `[ENTRY ]%name (params) -> result {`, its instructions, then `}` alone on a line,
+# or `}, execution_thread="sparsecore"` (libtpu 0.0.42 for v7x puts collectives it offloads to the
+# SparseCores in such computations, ahead of the entry). An instruction's text can run over
+# several lines starting at column 0 (a Mosaic kernel's custom call carries its metadata with
+# newlines; one such line starts `}},`), so the end is that line and nothing else.
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\)\s*->.*\{\s*$")
+_CLOSE = re.compile(r'^\}(?:, execution_thread="[\w.\-]*")?\s*$')
 
 
 def _lines(hlo: str):
@@ -190,7 +192,7 @@ def _lines(hlo: str):
                 current = m.group(2)
                 yield current, line
                 continue
-        elif line.rstrip() == "}":
+        elif _CLOSE.match(line):
             current = None
         yield current, line
 
@@ -215,16 +217,82 @@ def computations(hlo: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _trip_count(line: str, condition: list[str]) -> int | None:
-    """Iterations of a while: XLA's known trip count, else the one constant its condition
-    compares the counter against (a scan's `i < n`, counting from 0)."""
+# an instruction: its name, opcode, operands (up to the first `)`) and the rest of its line
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\s([a-z][\w\-]*)\(([^)]*)\)(.*)$")
+
+
+def _instructions(lines: list[str]) -> dict[str, tuple[str, str, str]]:
+    """name -> (opcode, operands text, the rest) of a computation's instructions; "ROOT" -> its
+    root's name too."""
+    out = {}
+    for line in lines:
+        m = _INSTRUCTION.match(line)
+        if m:
+            out[m.group(1)] = m.group(2, 3, 4)
+            if line.lstrip().startswith("ROOT "):
+                out["ROOT"] = (m.group(1), "", "")
+    return out
+
+
+def _constant(instructions: dict, name: str) -> int | None:
+    """The integer a scalar constant holds, through copies of it; None for anything else."""
+    for _ in range(4):
+        opcode, operands, _ = instructions.get(name, ("", "", ""))
+        if opcode == "constant":
+            return int(operands) if re.fullmatch(r"-?\d+", operands.strip()) else None
+        if opcode != "copy" or not _REF.findall(operands):
+            return None
+        name = _REF.findall(operands)[0]
+    return None
+
+
+def _counter(line: str, condition: list[str], body: list[str], caller: list[str]) -> tuple[int, int]:
+    """(start, step) of the counter a while's condition compares: the constant it starts at in
+    the while's operand tuple and the one the body adds to it each iteration. (0, 1), a scan's,
+    where the text does not say (libtpu's windowed einsums on v7x count from 0 by 2)."""
+    cond = _instructions(condition)
+    compare = next((ops for op, ops, rest in cond.values() if op == "compare"
+                    and "direction=LT" in rest), None)
+    refs = _REF.findall(compare or "")
+    gte = cond.get(refs[0]) if refs else None
+    index = re.search(r"\bindex=(\d+)", gte[2]) if gte and gte[0] == "get-tuple-element" else None
+    if index is None:
+        return 0, 1
+    k = int(index.group(1))
+
+    def element(instructions: dict, tuple_name: str | None) -> str | None:
+        opcode, operands, _ = instructions.get(tuple_name or "", ("", "", ""))
+        elements = _REF.findall(operands) if opcode == "tuple" else []
+        return elements[k] if k < len(elements) else None
+
+    start, step = 0, 1
+    calls = _instructions(caller)
+    init = element(calls, (re.search(r"while\(%([\w.\-]+)\)", line) or [None, None])[1])
+    if init is not None and _constant(calls, init) is not None:
+        start = _constant(calls, init)
+    inner = _instructions(body)
+    opcode, operands, _ = inner.get(element(inner, inner.get("ROOT", ("",))[0]) or "", ("", "", ""))
+    if opcode == "add":
+        added = [c for c in (_constant(inner, r) for r in _REF.findall(operands)) if c is not None]
+        if len(added) == 1 and added[0] > 0:
+            step = added[0]
+    return start, step
+
+
+def _trip_count(line: str, condition: list[str], body: list[str] = (),
+                caller: list[str] = ()) -> int | None:
+    """Iterations of a while: XLA's known trip count, else from the one constant its condition
+    compares the counter against (`i < n`), the counter's start and its step (`_counter`)."""
     m = _TRIP.search(line)
     if m:
         return int(m.group(1))
     if sum("direction=LT" in c for c in condition) != 1:
         return None
-    found = [int(x) for c in condition for x in re.findall(r"s32\[\][^=]*constant\((\d+)\)", c)]
-    return found[0] if len(found) == 1 else None
+    found = [int(x) for c in condition for x in re.findall(r"[su]32\[\][^=]*constant\((\d+)\)", c)]
+    if len(found) != 1:
+        return None
+    start, step = _counter(line, list(condition), list(body), list(caller))
+    return max(0, -(-(found[0] - start) // step))
 
 
 def loops(hlo: str) -> dict[str, list[tuple[str, int]]]:
@@ -236,7 +304,8 @@ def loops(hlo: str) -> dict[str, list[tuple[str, int]]]:
         for line in lines:
             m = _WHILE.search(line)
             if m:
-                trips = _trip_count(line, comps.get(m.group(1), []))
+                trips = _trip_count(line, comps.get(m.group(1), []), comps.get(m.group(2), []),
+                                    lines)
                 out.setdefault(name, []).append((m.group(2), trips or 1))
     return out
 

@@ -45,7 +45,8 @@ def summarize(ops: Mapping[str, Sequence[CollectiveOp]], coords: Coords, extents
     `coords`: each partition's chip). count: times run per call of each program, summed; groups:
     the distinct shapes, groups x members; hops_min/max: of one ring step (a permute's pair);
     mean_hops: per step, over the steps of every group of every run; rings / rings_closed: the
-    distinct groups of 2+ members (not permutes), and those whose every step is 1 hop;
+    distinct groups of 2+ members (not permutes), and those whose every step is 1 hop at most (0
+    between the two devices of one v7x chip, which share its coordinates);
     received: bytes a chip takes in over ICI per call; byte_hops: those bytes times the mean hops
     of their op's steps (the link traffic if each ring runs in listed order); unmapped: ops whose
     groups the HLO text did not give."""
@@ -83,7 +84,7 @@ def summarize(ops: Mapping[str, Sequence[CollectiveOp]], coords: Coords, extents
         if kind in steps_run:
             s["mean_hops"] = steps_run[kind][0] / steps_run[kind][1]
         s["rings"] = len(rings.get(kind, ()))
-        s["rings_closed"] = sum(all(h == 1 for h in ring_steps(g, coords, extents, wraps))
+        s["rings_closed"] = sum(all(h <= 1 for h in ring_steps(g, coords, extents, wraps))
                                 for g in rings.get(kind, ()))
     return dict(sorted(out.items()))
 
@@ -93,13 +94,14 @@ def placement(ops: Mapping[str, Sequence[CollectiveOp]], orders: Mapping[str, Co
     """The collectives of a run's programs under each device order (`orders`: name -> the chip
     coordinates of partition 0, 1, ...; the HLO is the same, only the chips differ), with the
     slice's extents and wraparound, and whether each sp group (partitions c*sp ... c*sp + sp - 1,
-    a row of the (cfg, sp) mesh) is a closed ring of 1-hop steps."""
+    a row of the (cfg, sp) mesh) is a closed ring of steps of 1 hop at most (0 hops: two devices
+    of one chip)."""
     out = {"extents": list(extents), "wraparound": list(wraps), "sp": sp, "orders": {}}
     for name, coords in orders.items():
         rows = [range(c, c + sp) for c in range(0, len(coords), sp)]
         sp_steps = [ring_steps(r, coords, extents, wraps) for r in rows]
         out["orders"][name] = {"chips": [list(c) for c in coords], "sp_ring_steps": sp_steps,
-                               "sp_rings_closed": all(h == 1 for steps in sp_steps for h in steps),
+                               "sp_rings_closed": all(h <= 1 for steps in sp_steps for h in steps),
                                "collectives": summarize(ops, coords, extents, wraps)}
     return out
 

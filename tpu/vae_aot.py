@@ -116,7 +116,7 @@ def run(args) -> dict:
         "model": pipe.name, "vae": spec.name + (" (tiny)" if args.tiny else ""),
         "topology": args.topology,
         "chip": {k: getattr(chip, k) for k in ("name", "hbm_bytes", "bf16_flops", "hbm_bandwidth",
-                                                "ici_bandwidth")},
+                                                "ici_bandwidth", "devices_per_chip")},
         "devices": rows, "split": "rows" if split == ROWS else "columns", "chips": len(devices),
         "strips": [decoder.strips.rows, decoder.strips.cols] if decoder.strips else [1, 1],
         "frames_per_call": k,
@@ -152,12 +152,19 @@ def strips_label(r: dict) -> str:
     return f", each band as {rows} x {cols} strips" if rows * cols > 1 else ""
 
 
+def units_label(r: dict) -> str:
+    """What a report's "chips" count: chips, or devices where a chip holds several (v7x: its two
+    TensorCores, each with half the chip's HBM); "per chip" figures are per device there."""
+    n = r["chip"].get("devices_per_chip", 1)
+    return "chips" if n == 1 else f"devices ({n} a chip)"
+
+
 def format_summary(r: dict) -> str:
     gib = 2**30
     m = r["memory"]
     lines = [f"{r['model']} decode ({r['vae']}, {dtype_label(r)}) on {r['topology']}: latents "
              f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
-             f"{r['devices']} of {r['chips']} chips{strips_label(r)}",
+             f"{r['devices']} of {r['chips']} {units_label(r)}{strips_label(r)}",
              f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
              f"{'TFLOP':>7s} {'GB acc.':>8s} {'GB HBM':>7s} {'roofline ms':>11s} "
              f"{'(traffic)':>9s}  collectives"]
