@@ -163,7 +163,7 @@ def v7x_lines() -> list[str]:
             "as windowed einsums, loops over the weight's shards with a u32 counter stepping by 2; "
             "read as before, half those matmuls' flops were dropped. The v7x rows were compiled "
             "beside two other jobs (load average 5-8): their compile seconds are high for it.")
-    reports = [(name, _report(name)) for name in V7X_ROWS]
+    reports = [(name, read_report(name)) for name in V7X_ROWS]
     shown = [(name, r) for name, r in reports if r is not None]
     if shown:
         text += (f" Beside {V7X_ANCHOR}: our stage-2 roofline for wan2.2-i2v-a14b at "
@@ -173,7 +173,7 @@ def v7x_lines() -> list[str]:
                              f"s uncached, {r['seconds']['run_cached']:.0f} s with the cache schedule"
                              for name, r in shown)
                  + " (stage 1, the decode and the whole job: bench/results/whole_job.md).")
-    if not any(_report(name) for name, *_ in DECODE_ROWS if "v7x" in name):
+    if not any(read_report(name) for name, *_ in DECODE_ROWS if "v7x" in name):
         text += " " + V7X_DECODE
     return _wrap(text)
 
@@ -186,7 +186,8 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def _report(name: str, folder: Path = OUT) -> dict | None:
+def read_report(name: str, folder: Path = OUT) -> dict | None:
+    """A `tpu.aot` / `tpu.vae_aot` report this bench kept, None if there is none."""
     path = folder / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -277,7 +278,7 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
         if report is None:
             missing.append(name)
             continue
-        lines.append(decode_line(report, _report(stage2_name)))
+        lines.append(decode_line(report, read_report(stage2_name)))
     lines += ["", f"Compile seconds: on this {os.cpu_count()}-core machine. The Wan rows were compiled "
               f"on {COMPILED_ON} evening, as strips, two at a time; the HunyuanVideo-1.5 v6e-8 row "
               "earlier beside other jobs (that older report counts the encoder's weights too in GiB "
@@ -297,7 +298,7 @@ def decode_figures() -> list[str]:
     """The detailed decode's steady call and the second decode's totals, from their reports (each
     sentence only where its report is there)."""
     out = []
-    r = _report(DECODE_DETAIL)
+    r = read_report(DECODE_DETAIL)
     if r is not None and r.get("roofline_seconds_traffic") is not None:
         st = r["programs"]["steady"]
         why = {"compute": f"the call's {st['flops'] / 1e12:.2f} TFLOP", "hbm": "its HBM traffic",
@@ -311,7 +312,7 @@ def decode_figures() -> list[str]:
             f"it. The whole decode: {r['roofline_seconds']:.2f} s by bytes accessed, "
             f"{r['roofline_seconds_traffic']:.2f} s by traffic, {r['memory']['total'] / GiB:.2f} GiB "
             "per chip.")
-    r = _report(DECODE_SECOND)
+    r = read_report(DECODE_SECOND)
     if r is not None and r.get("roofline_seconds_traffic") is not None:
         rows, cols = r.get("strips", (1, 1))
         out.append(
@@ -368,7 +369,7 @@ def _traffic_cell(t: dict | None) -> str:
 
 def _scan_pairs() -> list[tuple[str, dict, dict]]:
     """(row, unrolled report, scanned report) of every row compiled both ways, in table order."""
-    pairs = [(name, _report(name, BEFORE), _report(name)) for name, _ in ROWS]
+    pairs = [(name, read_report(name, BEFORE), read_report(name)) for name, _ in ROWS]
     return [(name, a, b) for name, a, b in pairs if a is not None and b is not None]
 
 
@@ -440,7 +441,7 @@ def _sp_rings(order: dict) -> str:
 def placement_lines() -> list[str]:
     """The section on where each mesh row's collectives run on the slice, from the reports'
     placement (`tpu.placement`): the mesh's device order beside the list order."""
-    reports = {name: _report(name, OUT) for name, _ in ROWS}  # OUT as it is now (tests move it)
+    reports = {name: read_report(name, OUT) for name, _ in ROWS}  # OUT as it is now (tests move it)
     rows = [(name, r) for name, r in reports.items() if r is not None and r.get("placement")]
     if not rows:
         return []
@@ -536,7 +537,7 @@ def _load_or_run(name: str, row_args: str, compile_it: bool, rerun: bool,
                  module: str = "tpu.aot") -> dict | None:
     """The row's report: compiled where asked (an existing one reused unless `rerun`), else the
     report on disk, None if there is none."""
-    return run_row(name, row_args, rerun, module) if compile_it else _report(name)
+    return run_row(name, row_args, rerun, module) if compile_it else read_report(name)
 
 
 def _parse():

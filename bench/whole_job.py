@@ -18,8 +18,7 @@ published figures for the same pipeline and slice class. Every figure carries it
 Stage 1 cannot run at real size here (no weights; umT5-XXL alone is 11 GB): its work is counted
 from the encoders' architectures at the pipeline's full text length, and divided by the rate one
 real-size layer of each encoder sustains on this CPU (random weights, the dtype stage 1 uses),
-scaled linearly to the host's vCPUs. bench/tpu_aot.py keeps its report reader private, so
-`read_report` here is this module's own.
+scaled linearly to the host's vCPUs.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.tpu_aot import DECODE_ROWS, OUT, ROWS  # noqa: E402
+from bench.tpu_aot import DECODE_ROWS, OUT, ROWS, read_report  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 
 PAGE = ROOT / "bench" / "results" / "whole_job.md"
@@ -132,12 +131,6 @@ def total(parts: list[Figure], basis: str) -> Figure:
         return Figure(None, "estimate", basis)
     kind = "roofline" if all(p.kind == "roofline" for p in parts) else "estimate"
     return Figure(sum(p.value for p in parts), kind, basis)
-
-
-def read_report(name: str, folder: Path = OUT) -> dict | None:
-    """A `tpu.aot` / `tpu.vae_aot` report kept by bench/tpu_aot.py, None if there is none."""
-    path = folder / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
 
 
 # --- stage 1: work counted from the architectures ------------------------------------------------
