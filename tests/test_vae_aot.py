@@ -28,9 +28,9 @@ def _cli(*args):
 
 def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     """The tiny TI2V VAE (8 x 12 latent rows x columns) on v6e:2x2: rows split over the 4 chips,
-    each chip's band cut into strips, one first program and a steady one per further latent
-    frame, halos exchanged between neighbours, and a plan that holds at least the weights and
-    the steady program's own temporaries."""
+    each chip's band cut into strips, a first call and a steady one per further latent frame,
+    each a chain of block programs that blocks alike share, halos exchanged between
+    neighbours, and a plan that holds the weights, the carried state and the largest step."""
     out = _cli("--model", "wan-tiny-ti2v", "--topology", "v6e:2x2", "--tiny",
                "--json", str(tmp_path / "r.json"), "--hlo_dir", str(tmp_path / "hlo"))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -48,18 +48,25 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     assert (first["calls"], steady["calls"]) == (1, shape[2] - 1)
     assert "collective-permute" in steady["collectives"]
     assert not {"all-to-all", "reduce-scatter"} & set(steady["collectives"])
+    # the residual blocks alike share their program: fewer programs than calls
+    assert steady["programs"] < steady["step_calls"] and first["programs"] < first["step_calls"]
+    assert f"{report['programs_compiled']} programs side by side" in out.stdout
     m = report["memory"]
-    # at its worst call a chip holds the steady program's arguments (the weights among them), its
-    # temporaries and its outputs (the new causal caches beside the old: nothing is donated),
-    # and the previous call's video chunk on its way to the host: 3 channels x 4 frames x 128 x
-    # 192 pixels in fp32 over the 4 chips' rows = 294912 bytes
-    held = steady["argument_bytes"] + steady["temp_bytes"] + steady["output_bytes"] + 294912
-    assert m["total"] == held and m["fits"] and 0 < m["weights"] == steady["weight_bytes"]
+    # at its worst step a chip holds the weights, the carried causal caches and, beside them,
+    # that step's other arguments, temporaries and outputs (its new caches beside the old:
+    # nothing is donated), and the previous call's video chunk on its way to the host: 3
+    # channels x 4 frames x 128 x 192 pixels in fp32 over the 4 chips' rows = 294912 bytes
+    assert steady["in_flight"] == steady["state_bytes"] + steady["step_bytes"]
+    assert steady["state_bytes"] > 0 and steady["step_bytes"] >= steady["output_bytes"] > 0
+    assert m["total"] == m["weights"] + steady["in_flight"] + 294912
+    assert m["fits"] and 0 < m["weights"] == steady["weight_bytes"]
     assert report["video_shape"][2] == pipe.size[2] and report["tflop"] > 0
     assert report["roofline_seconds"] >= steady["roofline"] * (shape[2] - 1) > 0
     # HBM traffic (tpu/hbm.py), counted from the program text --hlo_dir wrote
-    text = (tmp_path / "hlo" / "steady.txt").read_text()
-    assert steady["hbm_bytes"] == hbm_traffic(text)
+    text = (tmp_path / "hlo" / "steady.txt").read_text()  # each step's program, in call order
+    modules = ["HloModule " + m for m in text.split("HloModule ")[1:]]
+    assert len(modules) == steady["step_calls"]
+    assert steady["hbm_bytes"] == pytest.approx(sum(hbm_traffic(m) for m in modules))
     assert 0 < steady["hbm_bytes"] <= steady["bytes_accessed"]
     assert 0 < report["roofline_seconds_traffic"] <= report["roofline_seconds"]
 

@@ -114,3 +114,65 @@ def record(name: str, compiled, seconds: float, *, weight_bytes: int, activation
                    float(cost.get("flops", 0.0)) + loop_flops + kernel_flops,
                    float(cost.get("bytes accessed", 0.0)) + loop_bytes + extra,
                    kernel_flops, collectives(hlo), hbm_traffic(hlo) + extra)
+
+
+@dataclass
+class ChainProgram(Program):
+    """A call made of several programs run one after another (tpu/vae_chain.py), per chip: the
+    steps' costs and collectives summed over the call, its roofline the steps' rooflines added
+    (each step is bound by its own limit), and in flight the carried state beside the step
+    that needs the most. Argument, temporary and output bytes: the largest step's."""
+
+    steps: list = field(default_factory=list, repr=False)  # (Program, calls per call)
+    state_bytes: int = 0  # the state carried from call to call
+    step_bytes: int = 0  # beside it, the most one step holds: inputs, temporaries, outputs
+    programs: int = 0  # distinct programs among its steps
+    step_calls: int = 0  # program calls in one call of it
+    program_seconds: float = 0.0  # the longest of their compiles
+
+    def seconds(self, chip: Chip, traffic: bool = False) -> dict | None:
+        each = [(p.seconds(chip, traffic), n) for p, n in self.steps]
+        if any(s is None for s, _ in each):
+            return None
+        bounds = {k: sum(n * s[k] for s, n in each) for k in ("compute", "hbm", "ici")}
+        return {**bounds, "roofline": sum(n * s["roofline"] for s, n in each)}
+
+    def in_flight(self) -> int:
+        return self.state_bytes + self.step_bytes
+
+    def report(self) -> dict:
+        """Its fields for a JSON report (the steps by their totals only)."""
+        return {k: v for k, v in self.__dict__.items() if k != "steps"}
+
+
+def chain_record(name: str, chain, *, weight_bytes: int) -> ChainProgram:
+    """What one call of `chain` (tpu.vae_chain.Chain, compiled) costs a chip: each distinct
+    program recorded once and counted by its calls; the state it carries in, its steps' slots
+    together."""
+    steps, collective, held, state_bytes = [], {}, 0, 0
+    for key, calls in chain.calls().items():
+        compiled = chain.programs[key]
+        own_weights, own_state = chain.argument_split[key]
+        p = record(key[0], compiled, chain.compile_seconds.get(key, 0.0),
+                   weight_bytes=own_weights, activation_bytes=0)
+        steps.append((p, calls))
+        state_bytes += calls * own_state
+        for kind, c in p.collectives.items():
+            entry = collective.setdefault(kind, {"count": 0, "bytes": 0, "received": 0.0})
+            for k in entry:
+                entry[k] += calls * c[k]
+        # beside the carried state (its own slots among it): its other arguments, temporaries
+        # and outputs
+        held = max(held, p.argument_bytes - own_weights - own_state + p.temp_bytes
+                   + p.output_bytes)
+    hbm = [p.hbm_bytes for p, _ in steps]
+    seconds = [p.compile_seconds for p, _ in steps]
+    return ChainProgram(
+        name, sum(seconds), max(p.argument_bytes for p, _ in steps),
+        max(p.output_bytes for p, _ in steps), max(p.temp_bytes for p, _ in steps),
+        weight_bytes, state_bytes, sum(n * p.flops for p, n in steps),
+        sum(n * p.bytes_accessed for p, n in steps), sum(n * p.kernel_flops for p, n in steps),
+        collective, None if None in hbm else sum(n * p.hbm_bytes for p, n in steps),
+        steps=steps, state_bytes=state_bytes, step_bytes=held, programs=len(steps),
+        step_calls=sum(n for _, n in steps),
+        program_seconds=max(seconds))

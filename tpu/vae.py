@@ -7,16 +7,17 @@ keeps the compiled programs; what differs by VAE is its decode plan (tpu/vae_pla
 the VAE's class in `PLANS`:
 
     Wan2.1 / Wan2.2 (AutoencoderKLWan, tpu/vae_wan.py): diffusers' feat_cache made fixed-shape,
-        a first program and a steady one of `frames_per_call` latent frames; conv operands
-        rounded to bfloat16 on a TPU (`conv_operands`); each device's band of the frame cut into
-        strips on the batch axis (`strips`, tpu/vae_strips.py).
+        a first call and a steady one of `frames_per_call` latent frames, each a chain of block
+        programs that blocks alike share (tpu/vae_chain.py); conv operands rounded to bfloat16
+        on a TPU (`conv_operands`); each device's band of the frame cut into strips on the batch
+        axis (`strips`, tpu/vae_strips.py).
     HunyuanVideo-1.5 (AutoencoderKLHunyuanVideo15, tpu/vae_hunyuan.py): a first program and a
         steady one, the causal convs' last frames and the mid-block K/V of every earlier frame
         carried, in buffers of `kv_frames` latent frames.
     PixelLatents (the pixel-space tiny models, tpu/vae_pixels.py): the clamp, one program of the
         whole clip.
 
-A clip of any length runs the first program once and the steady one F - 1 times (Wan: per
+A clip of any length runs the first call once and the steady one F - 1 times (Wan: per
 `frames_per_call`); the loop calls the compiled executables, so it can compile nothing. On a mesh
 the frame's rows, or columns, are split over the devices (`split_plan`), the weights replicated.
 """
@@ -146,8 +147,10 @@ class JaxVaeDecoder:
             return array if sharding is None else jax.device_put(array, sharding)
         return jax.device_put(tensor.detach().cpu().numpy(), sharding)
 
-    def _trace(self, fn):
-        module, env = self.module, self.env
+    def _trace(self, fn, module=None):
+        """fn(module, *args) as a jax function of (params, *args), the params bound to
+        `module`'s names (default: the VAE's, "vae.*")."""
+        module, env = self.module if module is None else module, self.env
 
         def traced(params, *args):
             with env, torch.no_grad():
@@ -159,7 +162,7 @@ class JaxVaeDecoder:
         """The traced VAE on its devices, placed for the latent shape `prepare` planned last."""
         dtype = jax.numpy.dtype(str(self.dtype).removeprefix("torch."))
         return TracedVae(self._trace, self.params, dtype, self._put,
-                         Placement(self.mesh, self.split, self.strips))
+                         Placement(self.mesh, self.split, self.strips), self.vae)
 
     def kv_frames(self, frames: int) -> int:
         """The latent frames a HunyuanVideo-1.5 clip's K/V buffers hold (a multiple of KV_BUCKET)."""

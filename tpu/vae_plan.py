@@ -103,15 +103,17 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class TracedVae:
-    """What a plan compiles and runs with: `trace` (a torch function of (vae, *args) -> a jax
-    function of (params, *args)), the weights on the devices, the latents' jax dtype, `put` (a
-    host tensor and a sharding -> a device array) and the placement."""
+    """What a plan compiles and runs with: `trace` (a torch function of (vae, *args) and
+    optionally another module to bind instead of the VAE -> a jax function of (params, *args)),
+    the weights on the devices, the latents' jax dtype, `put` (a host tensor and a sharding ->
+    a device array), the placement, and the VAE (on the host or the meta device)."""
 
     trace: Callable
     params: dict
     dtype: Any
     put: Callable
     placement: Placement
+    vae: Any = None
 
 
 class DecodePlan:
@@ -181,7 +183,8 @@ class ChunkedPlan(DecodePlan):
     frame: the temporal upsamplers skip it) and a steady call of `per_call` latent frames (four
     video frames each), the causal state passed from call to call as explicit inputs and outputs.
     A clip of F latent frames runs the first program once and the steady one F - 1 times (per
-    call): the loop calls the compiled executables, so it can compile nothing."""
+    call): the loop calls the compiled executables, so it can compile nothing. A plan may
+    compile each call as a chain of programs instead (`tpu.vae_chain.Chain`, called alike)."""
 
     def functions(self, latent_shape, placement: Placement) -> tuple[Callable, Callable]:
         """The torch functions the programs trace: first(vae, z) -> (video, state) and

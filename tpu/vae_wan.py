@@ -1,11 +1,18 @@
 """Wan2.1 / Wan2.2 VAE (AutoencoderKLWan) decode plan (`WanPlan`): diffusers' feat_cache made
-fixed-shape, the convs' operands rounded where a TPU rounds them, the frame run as strips.
+fixed-shape, each call a chain of block programs, the convs' operands rounded where a TPU rounds
+them, the frame run as strips.
 
 diffusers decodes frame by frame with `feat_cache`, a list of the last 2 input frames of each
 causal conv. After frame 0 an entry holds one frame, after frame 1 two, and 3-D upsamplers hold
-"Rep" (no cache yet). The first program returns every entry as 2 frames, a zero frame in front
-(and zeros for "Rep"): a causal conv pads time with zeros, so the steady program, given those,
-computes what diffusers' second call does, and from then on the shapes are fixed. A steady call
+"Rep" (no cache yet). The first call returns every entry as 2 frames, a zero frame in front
+(and zeros for "Rep"): a causal conv pads time with zeros, so the steady call, given those,
+computes what diffusers' second call does, and from then on the shapes are fixed.
+
+Each call runs as a chain of programs (`wan_steps`, tpu/vae_chain.py): the post-quant conv with
+conv_in, every residual block, the mid-block attention, every upsampler with its block's
+shortcut, and the head, each on its own causal convs' cache entries. Residual blocks alike (same
+channels, same frame size) share one compiled program: as one program a call took libtpu 4-6
+minutes to compile on a 2-core host. A steady call
 may take several latent frames (`frames_per_call`: the convs are causal, so the last call's
 missing frames are zeros and their video is dropped); default one (WAN_FRAMES_PER_CALL: on v6e-8
 two moved fewer bytes accessed per frame but more HBM traffic, measured before the halo took its
@@ -34,7 +41,7 @@ import jax
 import torch
 import torch.nn.functional as F
 
-from .vae_plan import ChunkedPlan, Placement, routed
+from .vae_plan import ChunkedPlan, routed
 from .vae_strips import frame_strips
 
 WAN_FRAMES_PER_CALL = 1  # latent frames a Wan decoder's steady call decodes
@@ -206,41 +213,113 @@ def conv_weights(vae) -> set[str]:
             if isinstance(m, _conv_types())}
 
 
-def _first(vae, z, operands=None, strips=None):
-    """Latent frame 0 -> (video frame 0, the cache in steady shapes; with `operands`, in that
-    dtype: only convs read it, and they round it anyway). strips: z and the cache as `Strips`
-    (the video is joined)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResample
+# --- the decoder as a chain of block programs (tpu/vae_chain.py) ---------------------------------
 
-    rep_inputs = []  # the input of each 3-D upsampler, in call order ("Rep" in the cache)
-    hooks = [m.register_forward_pre_hook(lambda m, args: rep_inputs.append(args[0]))
-             for m in vae.decoder.modules() if isinstance(m, WanResample) and m.mode == "upsample3d"]
-    try:
-        cache = [None] * vae._cached_conv_counts["decoder"]
-        with _routes(vae, operands, strips):
-            out = vae.decoder(vae.post_quant_conv(_cut(z, strips)), feat_cache=cache,
-                              feat_idx=[0], first_chunk=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    reps = iter(rep_inputs)
-    state = []
+CACHE_T = 2  # the frames a causal conv's cache holds (diffusers' CACHE_T)
+
+
+def _cached(conv, x, cache):
+    """The decoder's conv_in/conv_out with its cache slot (WanDecoder3d.forward's, for one)."""
+    cache_x = x[:, :, -CACHE_T:].clone()
+    if cache_x.shape[2] < 2 and cache[0] is not None:
+        cache_x = torch.cat([cache[0][:, :, -1:].to(cache_x.device), cache_x], dim=2)
+    x = conv(x, cache[0])
+    cache[0] = cache_x
+    return x
+
+
+def _steady_shaped(cache, first, rep_input=None):
+    """After the first call a cache entry holds one frame, a 3-D upsampler's "Rep" (no frame
+    yet): each made 2 frames, a zero frame in front (zeros for "Rep": a causal conv pads time
+    with zeros), so that every steady call takes the same shapes and computes what diffusers'
+    second call does."""
+    if not first:
+        return cache
+    out = []
     for entry in cache:
-        if isinstance(entry, str):  # "Rep": no frame seen yet, i.e. zero padding
-            x = next(reps)
-            entry = torch.zeros_like(x[:, :, :1]).expand(-1, -1, 2, -1, -1)
-        elif entry is not None and entry.shape[2] < 2:
+        if isinstance(entry, str):
+            entry = torch.zeros_like(rep_input[:, :, :1]).expand(-1, -1, CACHE_T, -1, -1)
+        elif entry.shape[2] < CACHE_T:
             entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
-        state.append(entry)
-    return _video(vae, out, strips), _stored(state, operands)
+        out.append(entry)
+    return out
 
 
-def _steady(vae, z, state, operands=None, strips=None):
-    """Latent frame i > 0 with the cache of frame i - 1 -> (4 video frames, the next cache)."""
-    cache = list(state)
-    with _routes(vae, operands, strips):
-        out = vae.decoder(vae.post_quant_conv(_cut(z, strips)), feat_cache=cache, feat_idx=[0])
-    return _video(vae, out, strips), _stored(cache, operands)
+def wan_steps(vae, operands=None, strips=None, first: bool = False):
+    """The decoder's call as `Step`s, in diffusers' order (post-quant conv and conv_in, the mid
+    block's residual blocks and attention, each up block's residual blocks and its upsampler
+    with the shortcut, the head), each block's causal convs on their own state slots; returns
+    (steps, slots). first: the clip's first latent frame (its state starts empty)."""
+    from .vae_chain import Step
+
+    def finish(cache, rep_input=None):
+        return _stored(_steady_shaped(cache, first, rep_input), operands)
+
+    def conv_in(p, z, cache):
+        cache = list(cache)
+        with _routes(vae, operands, strips):
+            x = _cached(p.conv, p.pqc(_cut(z, strips)), cache)
+        return x, finish(cache)
+
+    def residual(p, x, cache):
+        cache = list(cache)
+        with _routes(vae, operands, strips):
+            x = p.res(x, feat_cache=cache, feat_idx=[0])
+        return x, finish(cache)
+
+    def attention(p, x, cache):
+        with _routes(vae, operands, strips):
+            return p.attn(x), []
+
+    def upsample(p, x, *rest):
+        *shortcut, cache = rest
+        cache, x_in = list(cache), x
+        with _routes(vae, operands, strips):
+            if hasattr(p, "up"):
+                x = p.up(x, feat_cache=cache, feat_idx=[0])
+            if shortcut:
+                x = x + p.short(shortcut[0], first_chunk=first)
+        return x, finish(cache, x_in)
+
+    def head(p, x, cache):
+        cache = list(cache)
+        with _routes(vae, operands, strips):
+            x = _cached(p.conv, vae.decoder.nonlinearity(p.norm(x)), cache)
+        return _video(vae, x, strips).float(), finish(cache)
+
+    steps, slot = [], 0
+
+    def add(kind, parts, fn, cached, **kw):
+        nonlocal slot
+        steps.append(Step(kind, parts, fn, tuple(range(slot, slot + cached)), **kw))
+        slot += cached
+
+    mode = "first" if first else "steady"
+    add(f"in-{mode}", (("pqc", "post_quant_conv"), ("conv", "decoder.conv_in")), conv_in, 1,
+        inputs=("z",))
+    mid = vae.decoder.mid_block
+    add(f"res-{mode}", (("res", "decoder.mid_block.resnets.0"),), residual, 2)
+    for j, attn in enumerate(mid.attentions):
+        if attn is not None:
+            add("attn", (("attn", f"decoder.mid_block.attentions.{j}"),), attention, 0)
+        add(f"res-{mode}", (("res", f"decoder.mid_block.resnets.{j + 1}"),), residual, 2)
+    for i, block in enumerate(vae.decoder.up_blocks):
+        path = f"decoder.up_blocks.{i}"
+        shortcut = getattr(block, "avg_shortcut", None)
+        for j in range(len(block.resnets)):
+            add(f"res-{mode}", (("res", f"{path}.resnets.{j}"),), residual, 2,
+                keep=f"block{i}" if j == 0 and shortcut is not None else None)
+        up = getattr(block, "upsampler", None)
+        up_path = f"{path}.upsampler"
+        if up is None and getattr(block, "upsamplers", None) is not None:
+            up, up_path = block.upsamplers[0], f"{path}.upsamplers.0"
+        parts = ((("up", up_path),) if up is not None else ()) + \
+            ((("short", f"{path}.avg_shortcut"),) if shortcut is not None else ())
+        if parts:
+            add(f"up-{mode}", parts, upsample, 1 if up is not None and up.mode == "upsample3d" else 0,
+                inputs=("x", f"block{i}") if shortcut is not None else ("x",))
+    add(f"head-{mode}", (("norm", "decoder.norm_out"), ("conv", "decoder.conv_out")), head, 1)
+    return steps, slot
 
 
 def _cut(z, strips):
@@ -264,9 +343,10 @@ def _video(vae, out, strips=None):
 # --- the plan ------------------------------------------------------------------------------------
 
 class WanPlan(ChunkedPlan):
-    """The Wan decoders: a first program and a steady one of `per_call` latent frames, the
-    causal convs' caches carried between them; conv operands rounded (`conv_operand_dtype` on
-    "auto"), the frame cut into strips (`strip_grid` on "auto")."""
+    """The Wan decoders: a first call and a steady one of `per_call` latent frames, each a chain
+    of block programs (`wan_steps`), the causal convs' caches carried between calls; conv
+    operands rounded (`conv_operand_dtype` on "auto"), the frame cut into strips (`strip_grid`
+    on "auto")."""
 
     vae_class, family = "AutoencoderKLWan", "wan"
 
@@ -291,15 +371,25 @@ class WanPlan(ChunkedPlan):
     def strips(self, latent_height, latent_width, mesh, split):
         return frame_strips(latent_height, latent_width, mesh, split, self.platform, self.grid)
 
-    def functions(self, latent_shape, placement: Placement):
+    def compile(self, traced, latent_shape) -> tuple:
+        """The first and steady calls as chains of block programs (`wan_steps`), the distinct
+        programs of both compiled side by side."""
+        from .vae_chain import ChainBuilder
+
+        b, c, _, h, w = latent_shape
+        placement = traced.placement
+        builder = ChainBuilder(traced.vae, lambda module, fn: traced.trace(fn, module),
+                               traced.params, x_sharding=placement.state,
+                               out_sharding=placement.rows(), state_sharding=placement.state)
         operands, strips = self.operands, placement.strips
 
-        def first_fn(vae, z):
-            out, state = _first(vae, z, operands, strips)
-            return out.float(), state
+        def z(frames):
+            return jax.ShapeDtypeStruct((b, c, frames, h, w), traced.dtype,
+                                        sharding=placement.rows())
 
-        def steady_fn(vae, z, state):
-            out, state = _steady(vae, z, state, operands, strips)
-            return out.float(), state
-
-        return first_fn, steady_fn
+        steps, slots = wan_steps(traced.vae, operands, strips, first=True)
+        first, _, state = builder.chain(steps, z(1), slots)
+        steps, _ = wan_steps(traced.vae, operands, strips)
+        steady, _, _ = builder.chain_from(steps, z(self.per_call), state)
+        builder.compile()
+        return first, steady
