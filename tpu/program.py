@@ -141,8 +141,12 @@ class ChainProgram(Program):
         return self.state_bytes + self.step_bytes
 
     def report(self) -> dict:
-        """Its fields for a JSON report (the steps by their totals only)."""
-        return {k: v for k, v in self.__dict__.items() if k != "steps"}
+        """Its fields for a JSON report, each distinct step program by its kind, calls and
+        compile seconds."""
+        return {**{k: v for k, v in self.__dict__.items() if k != "steps"},
+                "steps": [{"kind": p.name, "calls": n, "compile_seconds": p.compile_seconds,
+                           "flops": p.flops, "bytes_accessed": p.bytes_accessed}
+                          for p, n in self.steps]}
 
 
 def chain_record(name: str, chain, *, weight_bytes: int) -> ChainProgram:
@@ -153,7 +157,8 @@ def chain_record(name: str, chain, *, weight_bytes: int) -> ChainProgram:
     for key, calls in chain.calls().items():
         compiled = chain.programs[key]
         own_weights, own_state = chain.argument_split[key]
-        p = record(key[0], compiled, chain.compile_seconds.get(key, 0.0),
+        where = chain.steps[chain.keys.index(key)].parts[0][1]  # its first block
+        p = record(f"{key[0]} {where}", compiled, chain.compile_seconds.get(key, 0.0),
                    weight_bytes=own_weights, activation_bytes=0)
         steps.append((p, calls))
         state_bytes += calls * own_state

@@ -11,9 +11,9 @@ the VAE's class in `PLANS`:
         programs that blocks alike share (tpu/vae_chain.py); conv operands rounded to bfloat16
         on a TPU (`conv_operands`); each device's band of the frame cut into strips on the batch
         axis (`strips`, tpu/vae_strips.py).
-    HunyuanVideo-1.5 (AutoencoderKLHunyuanVideo15, tpu/vae_hunyuan.py): a first program and a
-        steady one, the causal convs' last frames and the mid-block K/V of every earlier frame
-        carried, in buffers of `kv_frames` latent frames.
+    HunyuanVideo-1.5 (AutoencoderKLHunyuanVideo15, tpu/vae_hunyuan.py): a first call and a
+        steady one, each a chain of block programs, the causal convs' last frames and the
+        mid-block K/V of every earlier frame carried, in buffers of `kv_frames` latent frames.
     PixelLatents (the pixel-space tiny models, tpu/vae_pixels.py): the clamp, one program of the
         whole clip.
 

@@ -85,8 +85,9 @@ class Chain:
     chain(params, z[, state]) -> (output, state), params the decoder's "vae.*" weights; without
     a state (the first call) every one of its `slots` starts empty (None)."""
 
-    def __init__(self, steps, programs: dict, keys: list, slots: int):
+    def __init__(self, steps, programs: dict, keys: list, slots: int, extras: tuple = ()):
         self.steps, self.programs, self.keys, self.slots = steps, programs, keys, slots
+        self.extras = extras  # the names the call's further arguments take
         self._views: dict = {}
         # key -> (its weights' bytes, its state slots' bytes) per chip; the compile seconds of
         # each program (both set by `ChainBuilder`)
@@ -104,9 +105,9 @@ class Chain:
             view = views[1][step_index] = part_params(params, self.steps[step_index].parts)
         return view
 
-    def __call__(self, params: dict, z, state=None):
+    def __call__(self, params: dict, z, state=None, *extras):
         state = [None] * self.slots if state is None else list(state)
-        values = {"z": z}
+        values = {"z": z, **dict(zip(self.extras, extras, strict=True))}
         for i, (step, key) in enumerate(zip(self.steps, self.keys, strict=True)):
             if step.keep:
                 values[step.keep] = values["x"]
@@ -158,11 +159,14 @@ class ChainBuilder:
         call); returns the chain, its abstract output and its abstract state."""
         return self.chain_from(steps, z, [None] * slots)
 
-    def chain_from(self, steps, z, state: list) -> tuple[Chain, Any, list]:
-        """Lower `steps` on the abstract input `z` and `state` (per slot: abstract or None)."""
+    def chain_from(self, steps, z, state: list, extras: dict | None = None
+                   ) -> tuple[Chain, Any, list]:
+        """Lower `steps` on the abstract input `z` and `state` (per slot: abstract or None);
+        extras: further abstract arguments of the call by name (steps read them by name)."""
         from .program import chip_bytes
 
-        values, state, keys, split = {"z": z}, list(state), [], {}
+        extras = extras or {}
+        values, state, keys, split = {"z": z, **extras}, list(state), [], {}
         for i, step in enumerate(steps):
             if step.keep:
                 values[step.keep] = values["x"]
@@ -186,7 +190,7 @@ class ChainBuilder:
             values["x"] = _abstract(out_abs, out_sh)
             for s, c, sh in zip(step.slots, caches_abs, cache_sh, strict=True):
                 state[s] = _abstract(c, sh)
-        chain = Chain(steps, self.programs, keys, len(state))
+        chain = Chain(steps, self.programs, keys, len(state), tuple(extras))
         chain.argument_split, chain.compile_seconds = split, self.compile_seconds
         return chain, values["x"], state
 

@@ -3,7 +3,8 @@ decodes the whole clip at once. Its convs pad time with the first frame replicat
 mid-block attention is frame-causal over every earlier latent frame, so the chunked decode
 carries each causal conv's last 2 input frames and the mid-block K/V of all earlier frames, in
 buffers of `kv_frames` latent frames (the clip's count rounded up to a multiple of KV_BUCKET, so
-clips of 1-8 latent frames share programs, 9-16 the next pair, ...), masked by frame.
+clips of 1-8 latent frames share programs, 9-16 the next ones, ...), masked by frame. Each
+call is a chain of block programs (tpu/vae_chain.py), as the Wan decoders' are.
 
 On a mesh XLA partitions the convolutions (GSPMD: each 3x3 conv exchanges a line of halo with its
 neighbours by collective-permute); the replicate padding of the split dimension is rewritten so
@@ -123,19 +124,73 @@ def _patched(vae, chunk: _Chunk):
         hy.HunyuanVideo15AttnBlock: lambda m, x: chunk.attention(m, x)})
 
 
-def _chunk(vae, z, conv_state, kv_state, t, *, first, kv_frames, split=ROWS):
-    chunk = _Chunk(first, conv_state, kv_state, t, kv_frames, split)
-    with _patched(vae, chunk):
-        out = vae.decoder(z)
-    return out, chunk.conv_out, chunk.kv_out
+def hunyuan_steps(vae, *, first: bool, kv_frames: int, split=ROWS):
+    """The decoder's call as `Step`s (tpu/vae_chain.py) in diffusers' order: conv_in with its
+    channel-repeat shortcut, the mid block's residual blocks and attention, each up block's
+    residual blocks and upsamplers, the head; each block's causal convs' last frames (or the
+    attention's K/V) on its own state slots. The steady attention reads the frame's index "t".
+    Returns (steps, slots)."""
+    from diffusers.models.autoencoders import autoencoder_kl_hunyuanvideo15 as hy
+
+    from .vae_chain import Step
+
+    def run(module_call, kv=False):
+        def fn(p, x, *rest):
+            *t, cache = rest
+            chunk = _Chunk(first, [] if kv else cache, cache if kv else [], t[0] if t else 0,
+                           kv_frames, split)
+            with _patched(vae, chunk):
+                x = module_call(p, x)
+            return x, chunk.conv_out + chunk.kv_out
+        return fn
+
+    def state_of(module) -> int:  # the causal convs that carry frames
+        return sum(isinstance(m, hy.HunyuanVideo15CausalConv3d) and m.time_causal_padding[4] > 0
+                   for m in module.modules())
+
+    decoder, steps, slot = vae.decoder, [], 0
+
+    def add(kind, path, call, slots, kv=False, **kw):
+        nonlocal slot
+        steps.append(Step(f"{kind}-{'first' if first else 'steady'}", (("m", path),),
+                          run(call, kv), tuple(range(slot, slot + slots)), **kw))
+        slot += slots
+
+    add("in", "decoder.conv_in",
+        lambda p, z: p.m(z) + z.repeat_interleave(repeats=decoder.repeat, dim=1),
+        state_of(decoder.conv_in), inputs=("z",))
+
+    def block(p, x):
+        return p.m(x)
+
+    mid = decoder.mid_block
+    add("res", "decoder.mid_block.resnets.0", block, state_of(mid.resnets[0]))
+    for j, attn in enumerate(mid.attentions):
+        if attn is not None:
+            add("attn", f"decoder.mid_block.attentions.{j}", block, 2, kv=True,
+                inputs=("x",) if first else ("x", "t"))
+        add("res", f"decoder.mid_block.resnets.{j + 1}", block, state_of(mid.resnets[j + 1]))
+    for i, up in enumerate(decoder.up_blocks):
+        for j, res in enumerate(up.resnets):
+            add("res", f"decoder.up_blocks.{i}.resnets.{j}", block, state_of(res))
+        for j, sampler in enumerate(up.upsamplers or ()):
+            add("up", f"decoder.up_blocks.{i}.upsamplers.{j}", block, state_of(sampler))
+
+    steps.append(Step(f"head-{'first' if first else 'steady'}",
+                      (("norm", "decoder.norm_out"), ("conv", "decoder.conv_out")),
+                      run(lambda p, x: p.conv(decoder.conv_act(p.norm(x))).float()),
+                      tuple(range(slot, slot + state_of(decoder.conv_out)))))
+    slot += state_of(decoder.conv_out)
+    return steps, slot
 
 
 # --- the plan ------------------------------------------------------------------------------------
 
 class HunyuanPlan(ChunkedPlan):
-    """A first program and a steady one of one latent frame, the causal convs' last frames and
-    the mid-block K/V of every earlier frame carried between them; the steady call also takes
-    its frame's index. The programs depend on the clip's K/V bucket (`kv_frames`)."""
+    """A first call and a steady one of one latent frame, each a chain of block programs
+    (`hunyuan_steps`), the causal convs' last frames and the mid-block K/V of every earlier
+    frame carried between calls; the steady call also takes its frame's index. The programs
+    depend on the clip's K/V bucket (`kv_frames`)."""
 
     vae_class, family = "AutoencoderKLHunyuanVideo15", "hunyuan"
 
@@ -143,19 +198,24 @@ class HunyuanPlan(ChunkedPlan):
         b, c, frames, h, w = latent_shape
         return (b, c, h, w), kv_frames(frames), self.per_call
 
-    def functions(self, latent_shape, placement: Placement):
-        kv, split = kv_frames(latent_shape[2]), placement.split
+    def compile(self, traced, latent_shape) -> tuple:
+        """The first and steady calls as chains of block programs (`hunyuan_steps`), the
+        distinct programs of both compiled side by side."""
+        from .vae_chain import ChainBuilder
 
-        def first_fn(vae, z):
-            out, conv, kvs = _chunk(vae, z, [], [], 0, first=True, kv_frames=kv, split=split)
-            return out.float(), (conv, kvs)
-
-        def steady_fn(vae, z, state, t):
-            out, conv, kvs = _chunk(vae, z, state[0], state[1], t, first=False, kv_frames=kv,
-                                    split=split)
-            return out.float(), (conv, kvs)
-
-        return first_fn, steady_fn
+        b, c, frames, h, w = latent_shape
+        placement, kv = traced.placement, kv_frames(frames)
+        builder = ChainBuilder(traced.vae, lambda module, fn: traced.trace(fn, module),
+                               traced.params, x_sharding=placement.state,
+                               out_sharding=placement.rows(), state_sharding=placement.state)
+        z = jax.ShapeDtypeStruct((b, c, 1, h, w), traced.dtype, sharding=placement.rows())
+        steps, slots = hunyuan_steps(traced.vae, first=True, kv_frames=kv, split=placement.split)
+        first, _, state = builder.chain(steps, z, slots)
+        steps, _ = hunyuan_steps(traced.vae, first=False, kv_frames=kv, split=placement.split)
+        steady, _, _ = builder.chain_from(steps, z, state,
+                                          {"t": self.steady_extras(placement, None)[0]})
+        builder.compile()
+        return first, steady
 
     def steady_extras(self, placement: Placement, frame: int | None) -> tuple:
         """The index of the steady call's latent frame (a 0-d int32)."""
