@@ -35,6 +35,7 @@ from tpu.vae_strips import MIN_STRIPS  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "tpu_aot"
 BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a scan
+ONE_PROGRAM = OUT / "one_program"  # decode reports from before each call became a chain
 GiB = 2**30
 
 # (row name, command arguments): every named real-size pipeline at its default size and default
@@ -214,8 +215,24 @@ def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
     return json.loads(path.read_text())
 
 
-def decode_line(r: dict, stage2: dict | None) -> str:
+def _decode_compile(name: str, r: dict) -> tuple[str, str]:
+    """(compile s, roofline s) cells: with a chain of block programs, how many distinct ones and
+    the longest compile among them; after the one-program report (ONE_PROGRAM) where the row
+    had one, "before -> after"."""
+    compile_s, roofline = f"{r['compile_seconds']:.0f}", f"{r['roofline_seconds']:.2f}"
+    if "programs_compiled" in r:
+        compile_s += (f" ({r['programs_compiled']} programs, the longest "
+                      f"{r['program_compile_seconds']:.0f})")
+        before = read_report(name, ONE_PROGRAM)
+        if before is not None:
+            compile_s = f"{before['compile_seconds']:.0f} -> {compile_s}"
+            roofline = f"{before['roofline_seconds']:.2f} -> {roofline}"
+    return compile_s, roofline
+
+
+def decode_line(name: str, r: dict, stage2: dict | None) -> str:
     m, chip = r["memory"], r["chip"]
+    compile_s, roofline = _decode_compile(name, r)
     verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
     steady = r["programs"].get("steady", {})
@@ -237,10 +254,10 @@ def decode_line(r: dict, stage2: dict | None) -> str:
             f"{r['devices']} of {r['chips']}{'' if _per_device(chip) == '' else ' devices'} "
             f"({r.get('split', 'rows')}{strips_label(r)}) | "
             f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
-            f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {r['compile_seconds']:.0f} "
+            f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {compile_s} "
             f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "
             f"({max(('compute', 'hbm', 'ici'), key=lambda k: steady.get(k, 0))}) | "
-            f"{r['roofline_seconds']:.2f} | {run2} | {share} | {t_roof} | {t_share} |")
+            f"{roofline} | {run2} | {share} | {t_roof} | {t_share} |")
 
 
 def _share(decode: float, stage2: float) -> str:
@@ -254,8 +271,9 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
         "",
         "`python bench/tpu_aot.py` (each row: `python -m tpu.vae_aot <row arguments>`). The",
         "pipeline's released VAE built on the meta device, its decode traced by `tpu.vae` as stage 3",
-        "runs it on JAX (a first program for latent frame 0, a steady one for each further latent",
-        "frame with the causal caches carried; the frame split by rows, or by columns where the",
+        "runs it on JAX (a first call for latent frame 0, a steady one for each further latent",
+        "frame with the causal caches carried, each call a chain of block programs that blocks",
+        "alike share: `tpu/vae_chain.py`; the frame split by rows, or by columns where the",
         "rows do not divide, over the largest divisor of the chip count that divides them:",
         "`tpu.vae.split_plan`, and for Wan each chip's band run as a batch of strips:",
         "`tpu.vae.strip_grid`), in fp32 as stage 3's default unless the row says bf16, compiled for",
@@ -278,11 +296,16 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
         if report is None:
             missing.append(name)
             continue
-        lines.append(decode_line(report, read_report(stage2_name)))
-    lines += ["", f"Compile seconds: on this {os.cpu_count()}-core machine. The Wan rows were compiled "
-              f"on {COMPILED_ON} evening, as strips, two at a time; the HunyuanVideo-1.5 v6e-8 row "
-              "earlier beside other jobs (that older report counts the encoder's weights too in GiB "
-              "per chip), its v5e-8 and v5p-4 rows that evening beside one other job.", "",
+        lines.append(decode_line(name, report, read_report(stage2_name)))
+    lines += ["", f"Compile seconds: on this {os.cpu_count()}-core machine. `a -> b`: a with each "
+              "decoder call compiled as one program (the reports kept under `tpu_aot/one_program/`), "
+              "b as a chain of block programs, compiled two at a time here; in brackets how many "
+              "distinct programs and the longest of their compiles, which is about the decode's "
+              "compile on a host with cores for them all side by side (a Cloud TPU VM host has "
+              "dozens); the roofline cell the same way. One-program rows: the Wan rows were "
+              f"compiled on {COMPILED_ON} evening, as strips, two at a time; the HunyuanVideo-1.5 "
+              "v6e-8 row earlier beside other jobs (that older report counts the encoder's weights "
+              "too in GiB per chip), its v5e-8 and v5p-4 rows that evening beside one other job.", "",
               DECODE_TRAFFIC, *decode_figures(), "", DECODE_FRAMES]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "

@@ -222,7 +222,8 @@ def _top_level(shape: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    """python -m tpu.hbm PROGRAM.hlo.txt: the traffic of an optimized HLO text, by instruction."""
+    """python -m tpu.hbm PROGRAM.hlo.txt: the traffic of an optimized HLO text, by instruction;
+    of several programs one after another (a chain's call, tpu/vae_chain.py), their sum."""
     paths = sys.argv[1:] if argv is None else argv
     if len(paths) != 1:
         print("usage: python -m tpu.hbm PROGRAM.txt (a compiled program's as_text(); "
@@ -237,7 +238,10 @@ def main(argv=None) -> int:
         print(f"error: {paths[0]}: no ENTRY computation; expected a compiled program's optimized "
               "HLO text", file=sys.stderr)
         return 2
-    counts = breakdown(text)
+    counts = collections.Counter()
+    for module in re.split(r"(?m)^(?=HloModule )", text):
+        if module.strip():
+            counts.update(breakdown(module))
     total = sum(counts.values())
     print(f"HBM traffic {total / 1e9:.2f} GB per call")
     for kind, b in counts.most_common():
