@@ -48,6 +48,19 @@ ROWS = [
     ("hy15-720p-v5e8", "--model hunyuanvideo-1.5-720p_t2v --topology v5e:2x4 --sp_size 8"),
     ("hy15-720p-v5p4", "--model hunyuanvideo-1.5-720p_t2v --topology v5p:2x2x1 --sp_size 4"),
     ("hy15-480p-49f-v6e1", "--model hunyuanvideo-1.5-480p_t2v --topology v6e:1x1 --video_length 49"),
+    # every other released HunyuanVideo-1.5 pipeline at its default size on v6e-8
+    ("hy15-720p-i2v-v6e8", "--model hunyuanvideo-1.5-720p_i2v --topology v6e:2x4 --sp_size 8"),
+    ("hy15-480p-i2v-v6e8", "--model hunyuanvideo-1.5-480p_i2v --topology v6e:2x4 --sp_size 8"),
+    ("hy15-480p-t2v-distilled-v6e8", "--model hunyuanvideo-1.5-480p_t2v_distilled --topology v6e:2x4 "
+                                     "--sp_size 8"),
+    ("hy15-480p-i2v-distilled-v6e8", "--model hunyuanvideo-1.5-480p_i2v_distilled --topology v6e:2x4 "
+                                     "--sp_size 8"),
+    ("hy15-720p-i2v-distilled-v6e8", "--model hunyuanvideo-1.5-720p_i2v_distilled --topology v6e:2x4 "
+                                     "--sp_size 8"),
+    ("hy15-720p-i2v-distilled-sparse-v6e8", "--model hunyuanvideo-1.5-720p_i2v_distilled_sparse "
+                                            "--topology v6e:2x4 --sp_size 8"),
+    ("hy15-480p-i2v-step-distilled-v6e8", "--model hunyuanvideo-1.5-480p_i2v_step_distilled "
+                                          "--topology v6e:2x4 --sp_size 8"),
     ("ti2v5b-v6e8", "--model wan2.2-ti2v-5b --topology v6e:2x4 --sp_size 8"),
     ("ti2v5b-v5e8", "--model wan2.2-ti2v-5b --topology v5e:2x4 --sp_size 8"),
     ("ti2v5b-v5p4", "--model wan2.2-ti2v-5b --topology v5p:2x2x1 --sp_size 4"),
@@ -61,6 +74,8 @@ ROWS = [
     ("a14b-v5e16-cfg", "--model wan2.2-i2v-a14b --topology v5e:4x4 --sp_size 8 --cfg_parallel"),
     ("a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1 --sp_size 4"),
     ("a14b-v7x8", "--model wan2.2-i2v-a14b --topology v7x:2x2x1 --sp_size 8"),
+    # speech to video: one clip's programs (they serve every clip)
+    ("s2v14b-v6e8", "--model wan2.2-s2v-14b --topology v6e:2x4 --sp_size 8"),
     # maxdiffusion's v7x-8 split (V7X_ANCHOR): the two guidance branches on 2 x 4 devices
     ("a14b-v7x8-cfg", "--model wan2.2-i2v-a14b --topology v7x:2x2x1 --sp_size 4 --cfg_parallel"),
 ]
@@ -299,13 +314,14 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
         lines.append(decode_line(name, report, read_report(stage2_name)))
     lines += ["", f"Compile seconds: on this {os.cpu_count()}-core machine. `a -> b`: a with each "
               "decoder call compiled as one program (the reports kept under `tpu_aot/one_program/`), "
-              "b as a chain of block programs, compiled two at a time here; in brackets how many "
-              "distinct programs and the longest of their compiles, which is about the decode's "
-              "compile on a host with cores for them all side by side (a Cloud TPU VM host has "
-              "dozens); the roofline cell the same way. One-program rows: the Wan rows were "
-              f"compiled on {COMPILED_ON} evening, as strips, two at a time; the HunyuanVideo-1.5 "
-              "v6e-8 row earlier beside other jobs (that older report counts the encoder's weights "
-              "too in GiB per chip), its v5e-8 and v5p-4 rows that evening beside one other job.", "",
+              "b as a chain of block programs, a compile per pair of cores (one at a time here, "
+              "except where the row says two); in brackets how many distinct programs and the "
+              "longest of their compiles, about the decode's compile on a host with a core pair for "
+              "each (a Cloud TPU VM host has 44-224 vCPUs); the roofline cell the same way. "
+              f"One-program rows: the Wan rows were compiled on {COMPILED_ON} evening, as strips, "
+              "two at a time; the HunyuanVideo-1.5 v6e-8 row earlier beside other jobs (that older "
+              "report counts the encoder's weights too in GiB per chip), its v5e-8 and v5p-4 rows "
+              "that evening beside one other job.", "",
               DECODE_TRAFFIC, *decode_figures(), "", DECODE_FRAMES]
     if missing:
         lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "

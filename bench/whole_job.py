@@ -403,10 +403,11 @@ def page(rows: list[dict], host: dict) -> list[str]:
         "to the host's vCPUs (as if each sustained this CPU's rate per thread: optimistic in the "
         "scaling, pessimistic in the rate, see below).",
         "- Stage 2 and stage 3 [R]: the reports' roofline run (stage 2: every step, uncached or at "
-        "the schedule; stage 3: the clip's decode, first program + steady program per further "
-        "latent frame).",
+        "the schedule; stage 3: the clip's decode, the first call + a steady call per further "
+        "latent frame, each a chain of block programs).",
         "- Compile cold [M]: the reports' compile seconds, stage 2's programs + stage 3's, libtpu "
-        "compiling deviceless on this shared 2-core machine (a TPU VM host has 44-224 vCPUs).",
+        "compiling deviceless on this shared 2-core machine (a TPU VM host has 44-224 vCPUs; stage "
+        "3's block programs compile side by side, two at a time here).",
         f"- Compile warm [E]: every program from the persistent cache (a second run compiles "
         f"nothing: tests/test_compile_cache.py); loading them is not measured here (no TPU). "
         f"{WARM_STAGE2:g} s for stage 2 + {WARM_STAGE3:g} s for stage 3, from {WARM_BASIS}.",

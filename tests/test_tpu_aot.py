@@ -388,6 +388,18 @@ def test_command_compiles_for_v7x_per_device(tmp_path):
     assert '2 a chip; "per chip" below is per device' in out.stdout
 
 
+def test_command_compiles_a_speech_to_video_clip(tmp_path):
+    """S2V samples clip by clip: the command compiles one clip's programs (its audio window and
+    motion history as the first clip takes them), which serve every clip."""
+    out = _cli("--model", "wan-tiny-s2v", "--topology", "v6e:1x1", "--enable_cache",
+               "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    pipe = get_pipeline("wan-tiny-s2v")
+    assert report["latent_shape"] == list(pipe.latent_shape(*pipe.size))
+    assert report["memory"]["fits"] and report["seconds"]["run_cached"] > 0
+
+
 def test_missing_libtpu_is_named_with_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu -> ImportError
     with pytest.raises(AotError, match=r'pip install "jax\[tpu\]'):

@@ -50,7 +50,7 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     assert not {"all-to-all", "reduce-scatter"} & set(steady["collectives"])
     # the residual blocks alike share their program: fewer programs than calls
     assert steady["programs"] < steady["step_calls"] and first["programs"] < first["step_calls"]
-    assert f"{report['programs_compiled']} programs side by side" in out.stdout
+    assert f"{report['programs_compiled']} programs, a compile per core pair" in out.stdout
     m = report["memory"]
     # at its worst step a chip holds the weights, the carried causal caches and, beside them,
     # that step's other arguments, temporaries and outputs (its new caches beside the old:

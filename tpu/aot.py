@@ -44,6 +44,7 @@ from modules.checkpoint import CheckpointError, cast_model, load_model  # noqa: 
 from modules.layers import ModelConfigError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.cli import UsageError, as_number, command  # noqa: E402
+from sampling.clips import fit_motion, motion_frames  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import MAX_GUIDANCE, PIPELINES, get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
@@ -170,6 +171,9 @@ def run(args) -> dict:
     backend = AotBackend(models, plan, devices=devices, mesh=mesh, weights=weights,
                          attention_impl=args.attention, scan_blocks=not args.unrolled)
     tensors = pipe.synthesize(latent_shape, cfg_on, image, 0)
+    if pipe.task == "s2v":  # sampled clip by clip (sampling/clips.py): one clip's programs
+        tensors = pipe.clip_inputs(tensors, 0, fit_motion(tensors.get("motion_latents"),
+                                                          motion_frames(pipe)), latent_shape)
     sample = make_sample(backend, pipe, tensors, latent_shape, image=image, seed=0,
                          guidance=guidance, fused_cfg=fused)
     scheduler = make_scheduler(solver, steps, shift)

@@ -146,7 +146,7 @@ def run(args) -> dict:
 
 def _chain_compiles(programs) -> dict:
     """Of chains of block programs: how many distinct programs were compiled for the decode and
-    the longest compile among them (they compile side by side: on a host with the cores, the
+    the longest compile among them (they compile a core pair each: on a host with the cores, the
     decode's compile takes about that long)."""
     chains = [p for p in programs if isinstance(p, Chain)]
     keys = {k for c in chains for k in c.keys}
@@ -204,7 +204,7 @@ def format_summary(r: dict) -> str:
 def _compiles_label(r: dict) -> str:
     if "programs_compiled" not in r:
         return ""
-    return (f" ({r['programs_compiled']} programs side by side, the longest "
+    return (f" ({r['programs_compiled']} programs, a compile per core pair, the longest "
             f"{r['program_compile_seconds']:.0f} s)")
 
 
