@@ -276,12 +276,27 @@ def job_row(name: str, r: dict, decode: tuple[str, dict] | None, host: dict) -> 
     }
 
 
+def modelled(model: str) -> bool:
+    """Whether `stage1_work` knows what the pipeline's stage 1 computes."""
+    pipe = get_pipeline(model)
+    return (pipe.family == "wan" and pipe.task in ("t2v", "ti2v", "i2v")
+            or pipe.family == "hunyuan_video15" and pipe.task == "t2v")
+
+
+def unmodelled(folder: Path = OUT) -> list[str]:
+    """ROWS with a report whose pipeline's stage 1 has no work model (not on the page)."""
+    return [name for name, _ in ROWS
+            if (r := read_report(name, folder)) is not None and not modelled(r["model"])]
+
+
 def job_rows(host: dict, folder: Path = OUT) -> list[dict]:
-    """One row per pipeline x slice, the first ROWS entry of each that has a report."""
+    """One row per pipeline x slice, the first ROWS entry of each that has a report and whose
+    stage 1 is modelled (`unmodelled` names the others)."""
     rows, seen = [], set()
     for name, _ in ROWS:
         r = read_report(name, folder)
-        if r is None or (key := (r["model"], r["topology"], r.get("cfg", 1))) in seen:
+        if r is None or (key := (r["model"], r["topology"], r.get("cfg", 1))) in seen \
+                or not modelled(r["model"]):
             continue
         seen.add(key)
         rows.append(job_row(name, r, decode_for(name, folder), host))
@@ -373,7 +388,7 @@ def host_lines(host: dict) -> list[str]:
     ]
 
 
-def page(rows: list[dict], host: dict) -> list[str]:
+def page(rows: list[dict], host: dict, skipped: list[str] = ()) -> list[str]:
     lines = [
         "# The whole job: stage 1, stage 2, stage 3 and compile, per pipeline and slice",
         "",
@@ -393,6 +408,10 @@ def page(rows: list[dict], host: dict) -> list[str]:
         "| total cached | anchor, published |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *[table_line(r, rows) for r in rows],
+        *([] if not skipped else [
+            "", f"Not on this page: {', '.join(skipped)} (stage 2 compiled, `bench/results/tpu_aot.md`; "
+            "what their stage 1 computes, the image or speech encoders beside the text encoder, is "
+            "not modelled here yet)."]),
         "",
         "## How each kind is made",
         "",
@@ -407,7 +426,7 @@ def page(rows: list[dict], host: dict) -> list[str]:
         "latent frame, each a chain of block programs).",
         "- Compile cold [M]: the reports' compile seconds, stage 2's programs + stage 3's, libtpu "
         "compiling deviceless on this shared 2-core machine (a TPU VM host has 44-224 vCPUs; stage "
-        "3's block programs compile side by side, two at a time here).",
+        "3's block programs compile a core pair each, one at a time here).",
         f"- Compile warm [E]: every program from the persistent cache (a second run compiles "
         f"nothing: tests/test_compile_cache.py); loading them is not measured here (no TPU). "
         f"{WARM_STAGE2:g} s for stage 2 + {WARM_STAGE3:g} s for stage 3, from {WARM_BASIS}.",
@@ -537,14 +556,14 @@ def i2v_sizes(folder: Path = OUT) -> list[tuple[str, int, int, int]]:
     sizes = set()
     for name, _ in ROWS:
         r = read_report(name, folder)
-        if r is not None and get_pipeline(r["model"]).task == "i2v":
+        if r is not None and modelled(r["model"]) and get_pipeline(r["model"]).task == "i2v":
             height, width, frames = r["size"]
             sizes.add((I2V_VAE, frames, height, width))
     return sorted(sizes)
 
 
-def write(rows: list[dict], host: dict, page_path: Path = PAGE) -> str:
-    text = "\n".join(page(rows, host)) + "\n"
+def write(rows: list[dict], host: dict, page_path: Path = PAGE, skipped: list[str] = ()) -> str:
+    text = "\n".join(page(rows, host, skipped)) + "\n"
     page_path.parent.mkdir(parents=True, exist_ok=True)
     page_path.write_text(text)
     page_path.with_suffix(".json").write_text(json.dumps({"host": host, "rows": rows}, indent=1) + "\n")
@@ -565,7 +584,7 @@ def main(argv=None) -> int:
             host["vae_flops"].setdefault(vae_key(*size), vae_encoder_flops(*size))
     else:
         host = measure_host(i2v_sizes())
-    print(write(job_rows(host), host))
+    print(write(job_rows(host), host, skipped=unmodelled()))
     return 0
 
 

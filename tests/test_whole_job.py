@@ -33,16 +33,25 @@ def rows(tmp_path, monkeypatch):
         "ti2v-alt": _stage2("wan2.2-ti2v-5b", "v6e:2x4", [704, 1280, 121], 50, 99.0, 99.0, 1.0),
         "a14b": _stage2("wan2.2-i2v-a14b", "v6e:2x4", [720, 1280, 81], 40, 70.0, 35.0, 130.0),
         "vae-ti2v": {"roofline_seconds": 0.5, "compile_seconds": 300.0},
+        # speech to video: its stage 1 (speech and image encoders) is not modelled
+        "s2v": _stage2("wan2.2-s2v-14b", "v6e:2x4", [704, 1280, 80], 40, 80.0, 40.0, 300.0),
     }
     for name, r in reports.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
-    monkeypatch.setattr(wj, "ROWS", [("ti2v", ""), ("ti2v-alt", ""), ("a14b", ""), ("none", "")])
+    monkeypatch.setattr(wj, "ROWS", [("ti2v", ""), ("ti2v-alt", ""), ("a14b", ""), ("none", ""),
+                                      ("s2v", "")])
     monkeypatch.setattr(wj, "DECODE_ROWS", [("vae-missing", "", "ti2v"), ("vae-ti2v", "", "ti2v")])
     return wj.job_rows(HOST, tmp_path)
 
 
 def _figures(row):
     return {k: wj.Figure(**v) for k, v in row["figures"].items()}
+
+
+def test_a_pipeline_whose_stage1_is_not_modelled_is_named_not_estimated(rows, tmp_path):
+    assert "s2v" not in [r["row"] for r in rows] and wj.unmodelled(tmp_path) == ["s2v"]
+    text = "\n".join(wj.page(rows, HOST, wj.unmodelled(tmp_path)))
+    assert "Not on this page: s2v" in text
 
 
 def test_rows_kinds_and_totals(rows):
