@@ -1,15 +1,15 @@
 """A decode call as a chain of small programs, one per decoder block, each compiled once per
 distinct block and shape (`Chain`).
 
-Compiling a real-size decoder call as one program took libtpu 4-6 minutes on a 2-core host, most
-of it in the backend generating each large convolution's code (a Wan2.2 residual block at 88 x
-40 pixels a strip: 32 s alone). A decoder repeats its blocks: the Wan2.2 TI2V-5B decoder's 14
-residual blocks have 9 distinct shapes, and the first call's blocks before the first temporal
-upsampler have the steady call's shapes. So each block is its own program, traced from one
+Compiling a real-size decoder call as one program took libtpu 4-12 minutes on a 2-core host,
+nearly all of it in the backend generating each large convolution's code (a Wan2.2 residual
+block at 88 x 40 pixels a strip: 32 s alone), and one compile keeps only about two cores busy
+however many the host has. A decoder repeats its blocks: a Wan2.2 TI2V-5B call runs 20 block
+programs of which 12 are distinct. So each block is its own program, traced from one
 representative module with the weights as arguments, compiled once per (block architecture,
-input shapes) and called for every block like it; the distinct programs compile side by side,
-and none of them is large. The state a block carries (its causal convs' last frames) is its own
-slice of the call's state.
+weight and input shapes) and called for every block like it; the distinct programs compile a
+core pair each, side by side, and none of them is large. The state a block carries (its causal
+convs' last frames) is its own slice of the call's state.
 """
 
 from __future__ import annotations

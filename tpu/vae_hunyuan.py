@@ -150,37 +150,35 @@ def hunyuan_steps(vae, *, first: bool, kv_frames: int, split=ROWS):
 
     decoder, steps, slot = vae.decoder, [], 0
 
-    def add(kind, path, call, slots, kv=False, **kw):
+    def add(kind, parts, call, slots, kv=False, **kw):
         nonlocal slot
-        steps.append(Step(f"{kind}-{'first' if first else 'steady'}", (("m", path),),
-                          run(call, kv), tuple(range(slot, slot + slots)), **kw))
+        steps.append(Step(f"{kind}-{'first' if first else 'steady'}", parts, run(call, kv),
+                          tuple(range(slot, slot + slots)), **kw))
         slot += slots
-
-    add("in", "decoder.conv_in",
-        lambda p, z: p.m(z) + z.repeat_interleave(repeats=decoder.repeat, dim=1),
-        state_of(decoder.conv_in), inputs=("z",))
 
     def block(p, x):
         return p.m(x)
 
+    def one(path):
+        return (("m", path),)
+
+    add("in", one("decoder.conv_in"),
+        lambda p, z: p.m(z) + z.repeat_interleave(repeats=decoder.repeat, dim=1),
+        state_of(decoder.conv_in), inputs=("z",))
     mid = decoder.mid_block
-    add("res", "decoder.mid_block.resnets.0", block, state_of(mid.resnets[0]))
+    add("res", one("decoder.mid_block.resnets.0"), block, state_of(mid.resnets[0]))
     for j, attn in enumerate(mid.attentions):
         if attn is not None:
-            add("attn", f"decoder.mid_block.attentions.{j}", block, 2, kv=True,
+            add("attn", one(f"decoder.mid_block.attentions.{j}"), block, 2, kv=True,
                 inputs=("x",) if first else ("x", "t"))
-        add("res", f"decoder.mid_block.resnets.{j + 1}", block, state_of(mid.resnets[j + 1]))
+        add("res", one(f"decoder.mid_block.resnets.{j + 1}"), block, state_of(mid.resnets[j + 1]))
     for i, up in enumerate(decoder.up_blocks):
         for j, res in enumerate(up.resnets):
-            add("res", f"decoder.up_blocks.{i}.resnets.{j}", block, state_of(res))
+            add("res", one(f"decoder.up_blocks.{i}.resnets.{j}"), block, state_of(res))
         for j, sampler in enumerate(up.upsamplers or ()):
-            add("up", f"decoder.up_blocks.{i}.upsamplers.{j}", block, state_of(sampler))
-
-    steps.append(Step(f"head-{'first' if first else 'steady'}",
-                      (("norm", "decoder.norm_out"), ("conv", "decoder.conv_out")),
-                      run(lambda p, x: p.conv(decoder.conv_act(p.norm(x))).float()),
-                      tuple(range(slot, slot + state_of(decoder.conv_out)))))
-    slot += state_of(decoder.conv_out)
+            add("up", one(f"decoder.up_blocks.{i}.upsamplers.{j}"), block, state_of(sampler))
+    add("head", (("norm", "decoder.norm_out"), ("conv", "decoder.conv_out")),
+        lambda p, x: p.conv(decoder.conv_act(p.norm(x))).float(), state_of(decoder.conv_out))
     return steps, slot
 
 
@@ -200,7 +198,7 @@ class HunyuanPlan(ChunkedPlan):
 
     def compile(self, traced, latent_shape) -> tuple:
         """The first and steady calls as chains of block programs (`hunyuan_steps`), the
-        distinct programs of both compiled side by side."""
+        distinct programs of both compiled together (`ChainBuilder.compile`)."""
         from .vae_chain import ChainBuilder
 
         b, c, frames, h, w = latent_shape

@@ -411,7 +411,7 @@ class WanPlan(ChunkedPlan):
 
     def compile(self, traced, latent_shape) -> tuple:
         """The first and steady calls as chains of block programs (`wan_steps`), the distinct
-        programs of both compiled side by side."""
+        programs of both compiled together (`ChainBuilder.compile`)."""
         from .vae_chain import ChainBuilder
 
         b, c, _, h, w = latent_shape
