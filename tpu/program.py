@@ -126,9 +126,16 @@ class ChainProgram(Program):
     steps: list = field(default_factory=list, repr=False)  # (Program, calls per call)
     state_bytes: int = 0  # the state carried from call to call
     step_bytes: int = 0  # beside it, the most one step holds: inputs, temporaries, outputs
-    programs: int = 0  # distinct programs among its steps
-    step_calls: int = 0  # program calls in one call of it
-    program_seconds: float = 0.0  # the longest of their compiles
+
+    @property
+    def programs(self) -> int:
+        """Distinct programs among its steps."""
+        return len(self.steps)
+
+    @property
+    def step_calls(self) -> int:
+        """Program calls in one call of it."""
+        return sum(n for _, n in self.steps)
 
     def seconds(self, chip: Chip, traffic: bool = False) -> dict | None:
         each = [(p.seconds(chip, traffic), n) for p, n in self.steps]
@@ -144,6 +151,7 @@ class ChainProgram(Program):
         """Its fields for a JSON report, each distinct step program by its kind, calls and
         compile seconds."""
         return {**{k: v for k, v in self.__dict__.items() if k != "steps"},
+                "programs": self.programs, "step_calls": self.step_calls,
                 "steps": [{"kind": p.name, "calls": n, "compile_seconds": p.compile_seconds,
                            "flops": p.flops, "bytes_accessed": p.bytes_accessed}
                           for p, n in self.steps]}
@@ -178,6 +186,4 @@ def chain_record(name: str, chain, *, weight_bytes: int) -> ChainProgram:
         weight_bytes, state_bytes, sum(n * p.flops for p, n in steps),
         sum(n * p.bytes_accessed for p, n in steps), sum(n * p.kernel_flops for p, n in steps),
         collective, None if None in hbm else sum(n * p.hbm_bytes for p, n in steps),
-        steps=steps, state_bytes=state_bytes, step_bytes=held, programs=len(steps),
-        step_calls=sum(n for _, n in steps),
-        program_seconds=max(seconds))
+        steps=steps, state_bytes=state_bytes, step_bytes=held)

@@ -137,16 +137,14 @@ class ChainBuilder:
 
     vae: the VAE the steps' module paths are under; trace(module, fn) -> a jax function of
     (params, *args) (tpu.vae's tracer, for any module); params: the "vae.*" weights (arrays or
-    abstract); x_sharding(abstract) -> the sharding of an activation between steps (None: as
-    the program chooses); out_sharding: of the chain's final output; state_sharding(abstract)
-    -> of a state slot."""
+    abstract); between(abstract) -> the sharding of an activation or state slot between steps;
+    out_sharding: of the chain's final output."""
 
     vae: Any
     trace: Callable
     params: dict
-    x_sharding: Callable
+    between: Callable
     out_sharding: Any
-    state_sharding: Callable
     programs: dict = dataclasses.field(default_factory=dict)
     lowered: dict = dataclasses.field(default_factory=dict)
     compile_seconds: dict = dataclasses.field(default_factory=dict)
@@ -154,15 +152,11 @@ class ChainBuilder:
     def _module(self, path: str):
         return self.vae.get_submodule(path)
 
-    def chain(self, steps, z, slots: int) -> tuple[Chain, Any, list]:
-        """Lower `steps` on the abstract input `z` with `slots` empty state slots (the first
-        call); returns the chain, its abstract output and its abstract state."""
-        return self.chain_from(steps, z, [None] * slots)
-
-    def chain_from(self, steps, z, state: list, extras: dict | None = None
-                   ) -> tuple[Chain, Any, list]:
-        """Lower `steps` on the abstract input `z` and `state` (per slot: abstract or None);
-        extras: further abstract arguments of the call by name (steps read them by name)."""
+    def chain(self, steps, z, state: list, extras: dict | None = None
+              ) -> tuple[Chain, Any, list]:
+        """Lower `steps` on the abstract input `z` and `state` (per slot: abstract, or None for
+        the first call's empty slots); extras: further abstract arguments of the call by name
+        (steps read them by name). Returns the chain, its abstract output and state."""
         from .program import chip_bytes
 
         extras = extras or {}
@@ -180,8 +174,8 @@ class ChainBuilder:
                    tuple(None if c is None else (tuple(c.shape), str(c.dtype)) for c in caches))
             fn = self.trace(_Parts(parts), step.fn)
             out_abs, caches_abs = jax.eval_shape(fn, view, *inputs, caches)
-            out_sh = self.out_sharding if i == len(steps) - 1 else self.x_sharding(out_abs)
-            cache_sh = [self.state_sharding(c) for c in caches_abs]
+            out_sh = self.out_sharding if i == len(steps) - 1 else self.between(out_abs)
+            cache_sh = [self.between(c) for c in caches_abs]
             if key not in self.programs and key not in self.lowered:
                 self.lowered[key] = jax.jit(fn, out_shardings=(out_sh, cache_sh)).lower(
                     view, *inputs, caches)

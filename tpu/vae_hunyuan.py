@@ -196,24 +196,11 @@ class HunyuanPlan(ChunkedPlan):
         b, c, frames, h, w = latent_shape
         return (b, c, h, w), kv_frames(frames), self.per_call
 
-    def compile(self, traced, latent_shape) -> tuple:
-        """The first and steady calls as chains of block programs (`hunyuan_steps`), the
-        distinct programs of both compiled together (`ChainBuilder.compile`)."""
-        from .vae_chain import ChainBuilder
+    steady_extra_names = ("t",)
 
-        b, c, frames, h, w = latent_shape
-        placement, kv = traced.placement, kv_frames(frames)
-        builder = ChainBuilder(traced.vae, lambda module, fn: traced.trace(fn, module),
-                               traced.params, x_sharding=placement.state,
-                               out_sharding=placement.rows(), state_sharding=placement.state)
-        z = jax.ShapeDtypeStruct((b, c, 1, h, w), traced.dtype, sharding=placement.rows())
-        steps, slots = hunyuan_steps(traced.vae, first=True, kv_frames=kv, split=placement.split)
-        first, _, state = builder.chain(steps, z, slots)
-        steps, _ = hunyuan_steps(traced.vae, first=False, kv_frames=kv, split=placement.split)
-        steady, _, _ = builder.chain_from(steps, z, state,
-                                          {"t": self.steady_extras(placement, None)[0]})
-        builder.compile()
-        return first, steady
+    def steps(self, vae, placement, latent_shape, first):
+        return hunyuan_steps(vae, first=first, kv_frames=kv_frames(latent_shape[2]),
+                             split=placement.split)
 
     def steady_extras(self, placement: Placement, frame: int | None) -> tuple:
         """The index of the steady call's latent frame (a 0-d int32)."""

@@ -14,7 +14,6 @@ over 6 by rows.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import types
@@ -179,17 +178,22 @@ class DecodePlan:
 
 
 class ChunkedPlan(DecodePlan):
-    """Two programs compiled ahead of the loop: the first latent frame (it decodes to one video
+    """Two calls compiled ahead of the loop: the first latent frame (it decodes to one video
     frame: the temporal upsamplers skip it) and a steady call of `per_call` latent frames (four
     video frames each), the causal state passed from call to call as explicit inputs and outputs.
-    A clip of F latent frames runs the first program once and the steady one F - 1 times (per
-    call): the loop calls the compiled executables, so it can compile nothing. A plan may
-    compile each call as a chain of programs instead (`tpu.vae_chain.Chain`, called alike)."""
+    Each call is a chain of block programs (`tpu.vae_chain`), the family's `steps`. A clip of F
+    latent frames runs the first call once and the steady one F - 1 times (per call): the loop
+    calls the compiled executables, so it can compile nothing."""
 
-    def functions(self, latent_shape, placement: Placement) -> tuple[Callable, Callable]:
-        """The torch functions the programs trace: first(vae, z) -> (video, state) and
-        steady(vae, z, state, *self.steady_extras(...)) -> (video, state)."""
+    steady_extra_names: tuple[str, ...] = ()  # what steps read the `steady_extras` as
+
+    def steps(self, vae, placement: Placement, latent_shape, first: bool) -> tuple[list, int]:
+        """The call as `tpu.vae_chain.Step`s and its number of state slots."""
         raise NotImplementedError
+
+    def between(self, placement: Placement) -> Callable:
+        """abstract -> the sharding of an activation or state entry between block programs."""
+        return placement.state
 
     def steady_extras(self, placement: Placement, frame: int | None) -> tuple:
         """The arguments a steady call takes after the state: their shapes for the compile
@@ -201,24 +205,26 @@ class ChunkedPlan(DecodePlan):
         return (b, c, h, w), 0, self.per_call
 
     def compile(self, traced: TracedVae, latent_shape) -> tuple:
+        """The first and steady chains, the distinct programs of both compiled together."""
+        from .vae_chain import ChainBuilder
+
         b, c, _, h, w = latent_shape
         placement = traced.placement
-        first_fn, steady_fn = self.functions(latent_shape, placement)
-        z = jax.ShapeDtypeStruct((b, c, 1, h, w), traced.dtype, sharding=placement.rows())
-        first_abstract = jax.eval_shape(traced.trace(first_fn), traced.params, z)
-        state = placement.state(first_abstract[1])
-        outs = (placement.rows(), state)
-        first = jax.jit(traced.trace(first_fn), out_shardings=outs).lower(traced.params, z)
-        z = jax.ShapeDtypeStruct((b, c, self.per_call, h, w), traced.dtype,
-                                 sharding=placement.rows())
-        s_abs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                             first_abstract[1], state)
-        steady = jax.jit(traced.trace(steady_fn), out_shardings=outs)
-        steady = steady.lower(traced.params, z, s_abs, *self.steady_extras(placement, None))
-        # the two compiles are independent and XLA's runs without the GIL: side by side they
-        # take the longer one's time where the host has the cores (a TPU VM has hundreds)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            return tuple(pool.map(lambda lowered: lowered.compile(), (first, steady)))
+        builder = ChainBuilder(traced.vae, lambda module, fn: traced.trace(fn, module),
+                               traced.params, self.between(placement), placement.rows())
+
+        def z(frames):
+            return jax.ShapeDtypeStruct((b, c, frames, h, w), traced.dtype,
+                                        sharding=placement.rows())
+
+        steps, slots = self.steps(traced.vae, placement, latent_shape, first=True)
+        first, _, state = builder.chain(steps, z(1), [None] * slots)
+        extras = dict(zip(self.steady_extra_names, self.steady_extras(placement, None),
+                          strict=True))
+        steps, _ = self.steps(traced.vae, placement, latent_shape, first=False)
+        steady, _, _ = builder.chain(steps, z(self.per_call), state, extras)
+        builder.compile()
+        return first, steady
 
     def run(self, programs: tuple, traced: TracedVae, z: torch.Tensor) -> np.ndarray:
         first, steady = programs

@@ -409,28 +409,9 @@ class WanPlan(ChunkedPlan):
     def strips(self, latent_height, latent_width, mesh, split):
         return frame_strips(latent_height, latent_width, mesh, split, self.platform, self.grid)
 
-    def compile(self, traced, latent_shape) -> tuple:
-        """The first and steady calls as chains of block programs (`wan_steps`), the distinct
-        programs of both compiled together (`ChainBuilder.compile`)."""
-        from .vae_chain import ChainBuilder
+    def steps(self, vae, placement, latent_shape, first):
+        return wan_steps(vae, self.operands, placement.strips, first)
 
-        b, c, _, h, w = latent_shape
-        placement = traced.placement
-        def between(abstract):  # an activation or cache entry in its boundary form
-            return boundary_sharding(placement.state(abstract))
-
-        builder = ChainBuilder(traced.vae, lambda module, fn: traced.trace(fn, module),
-                               traced.params, x_sharding=between, out_sharding=placement.rows(),
-                               state_sharding=between)
-        operands, strips = self.operands, placement.strips
-
-        def z(frames):
-            return jax.ShapeDtypeStruct((b, c, frames, h, w), traced.dtype,
-                                        sharding=placement.rows())
-
-        steps, slots = wan_steps(traced.vae, operands, strips, first=True)
-        first, _, state = builder.chain(steps, z(1), slots)
-        steps, _ = wan_steps(traced.vae, operands, strips)
-        steady, _, _ = builder.chain_from(steps, z(self.per_call), state)
-        builder.compile()
-        return first, steady
+    def between(self, placement):
+        """Activations and cache entries cross between programs in their boundary form."""
+        return lambda abstract: boundary_sharding(placement.state(abstract))
