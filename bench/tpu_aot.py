@@ -138,12 +138,10 @@ V7X_ANCHOR = ("maxdiffusion's v7x-8 figure (its README's ring-attention table; t
               "A14B (by its 40 steps; T2V or I2V not stated) at 720p, 81 frames, 40 steps, CFG on 2 "
               "x context 4, 194.4 s end to end with Tokamax flash attention")
 V7X_ROWS = ("a14b-v7x8", "a14b-v7x8-cfg")  # the rows set beside it
+COMPILED = "compiled"  # the report's record of when, on how many cores and at what load (run_row)
 # what became of the v7x decode rows, while they have no report
-V7X_DECODE = ("The v7x decode rows have no report: vae-ti2v5b-v7x8 was still compiling after 15 "
-              "minutes (stopped; this 2-core machine then also ran two other jobs, load average "
-              "5-8, where vae-ti2v5b-v6e8 compiled in 363 s).")
-# the day the `a -> b` rows and the Wan decode rows were compiled (the reports keep no date)
-COMPILED_ON = "2026-11-26"
+V7X_DECODE = ("The v7x decode rows have no report: the one compile tried (vae-ti2v5b-v7x8, as one "
+              "program) was stopped before it finished, on this machine shared with other jobs.")
 
 
 def v5_blocks() -> str:
@@ -178,7 +176,7 @@ def v7x_lines() -> list[str]:
             "close with `}, execution_thread=\"sparsecore\"` ahead of the entry, and FSDP matmuls "
             "as windowed einsums, loops over the weight's shards with a u32 counter stepping by 2; "
             "read as before, half those matmuls' flops were dropped. The v7x rows were compiled "
-            "beside two other jobs (load average 5-8): their compile seconds are high for it.")
+            "beside other jobs: their compile seconds are high for it.")
     reports = [(name, read_report(name)) for name in V7X_ROWS]
     shown = [(name, r) for name, r in reports if r is not None]
     if shown:
@@ -219,7 +217,7 @@ def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
     if path.exists() and not rerun:
         return json.loads(path.read_text())
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    began = time.perf_counter()
+    began, load_start = time.perf_counter(), os.getloadavg()[0]
     extra = CACHE.split() if module == "tpu.aot" else []
     out = subprocess.run([sys.executable, "-m", module, *args.split(), *extra, "--json", str(path)],
                          cwd=ROOT, env=env, capture_output=True, text=True)
@@ -227,7 +225,34 @@ def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
         raise SystemExit(f"{name}: {module} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     (OUT / f"{name}.txt").write_text(out.stdout)
     print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
-    return json.loads(path.read_text())
+    # compile seconds mean little without the machine's state: the page prints this record
+    report = json.loads(path.read_text())
+    report[COMPILED] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+                        "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)}
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def compiled_lines(names: list[str]) -> list[str]:
+    """Where and when each row compiled, from the record `run_row` adds to its report; rows whose
+    reports predate that record are named as such."""
+    recorded, unrecorded = [], []
+    for name in names:
+        r = read_report(name, OUT)
+        if r is None:
+            continue
+        c = r.get(COMPILED)
+        if c is None:
+            unrecorded.append(name)
+        else:
+            recorded.append(f"{name} {c['date']}, {c['cores']} cores, 1-minute load average "
+                            f"{c['load_start']:.1f} at the start, {c['load_end']:.1f} at the end")
+    text = ("How the rows' compile seconds were taken, from their reports (one compile keeps about "
+            "two cores busy, so the load at the end includes the compile itself): "
+            + ("; ".join(recorded) if recorded else "no report records it yet")
+            + (f". Reports from before the record was kept: {', '.join(unrecorded)}" if unrecorded
+               else "") + ".")
+    return _wrap(text)
 
 
 def _decode_compile(name: str, r: dict) -> tuple[str, str]:
@@ -317,8 +342,9 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
               "b as a chain of block programs, a compile per pair of cores (one at a time here, "
               "except where the row says two); in brackets how many distinct programs and the "
               "longest of their compiles, about the decode's compile on a host with a core pair for "
-              "each (a Cloud TPU VM host has 44-224 vCPUs); the roofline cell the same way. "
-              f"One-program rows: the Wan rows were compiled on {COMPILED_ON} evening, as strips, "
+              "each (a Cloud TPU VM host has many times this machine's cores: bench/whole_job.py's "
+              "HOSTS); the roofline cell the same way. "
+              "One-program rows: the Wan rows were compiled one evening, as strips, "
               "two at a time; the HunyuanVideo-1.5 v6e-8 row earlier beside other jobs (that older "
               "report counts the encoder's weights too in GiB per chip), its v5e-8 and v5p-4 rows "
               "that evening beside one other job.", "",
@@ -453,7 +479,7 @@ def compile_paragraph() -> list[str]:
     if pairs:
         again = [n for n, _, b in pairs if b["seconds"].get("traffic") is not None]
         text += (" The `a -> b` rows were compiled unrolled and then scanned, one after the other on "
-                 f"an otherwise idle machine ({COMPILED_ON})"
+                 "an otherwise idle machine"
                  + (f"; {' and '.join(again)} were compiled scanned again later that day, idle too, "
                     "to count their HBM traffic (their reports and figures are from that compile), so "
                     "their two scanned compiles are not compared here" if again else "")
@@ -626,6 +652,8 @@ def main():
         lines += [f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
                   f"--only {','.join(missing)}` adds them.", ""]
     lines += decode_lines(lambda name: compiles(name, False), args.rerun)
+    names = [name for name, _ in ROWS] + [name for name, *_ in DECODE_ROWS]
+    lines += [""] * (lines[-1] != "") + compiled_lines(names)
     (ROOT / "bench" / "results" / "tpu_aot.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -381,3 +381,16 @@ def test_tpu_aot_placement_section_from_reports(tmp_path, monkeypatch):
     assert "Reports with no placement (compiled before it was recorded): old;" in text
     monkeypatch.setattr(ta, "ROWS", [("old", "--sp_size 4")])
     assert ta.placement_lines() == []  # no report with a placement: no section
+
+
+def test_tpu_aot_names_how_each_row_compiled(tmp_path, monkeypatch):
+    from bench import tpu_aot as ta
+
+    record = {"date": "2026-11-29", "cores": 2, "load_start": 0.13, "load_end": 1.96}
+    (tmp_path / "new.json").write_text(json.dumps({ta.COMPILED: record}))
+    (tmp_path / "old.json").write_text(json.dumps({}))
+    monkeypatch.setattr(ta, "OUT", tmp_path)
+    text = " ".join(ta.compiled_lines(["new", "old", "absent"]))
+    assert ("new 2026-11-29, 2 cores, 1-minute load average 0.1 at the start, 2.0 at the end." in text)
+    assert text.endswith("Reports from before the record was kept: old.")
+    assert "absent" not in text

@@ -1,7 +1,16 @@
-"""The JAX backend: torchax programs (probe, middle, tail), attention lowering, compile counting.
+"""The JAX backend and what it needs to run on a TPU slice, as a library (commands live elsewhere
+but for the two deviceless compiles, `python -m tpu.aot` and `python -m tpu.vae_aot`).
+
+- Stage 2: `backend` (the stages jitted through torchax, weights as arguments), `scan` (the
+  middle's blocks as rolled loops), `attention` (its lowerings), `compile` (compile counting and
+  the persistent cache), `distributed` and `loading` (multi-host start, sharded weights).
+- Stage 3: `vae` (the one decoder) over one plan per VAE family (`vae_wan`, `vae_hunyuan`,
+  `vae_pixels`; shared parts in `vae_plan`, `vae_strips`), each call a chain of block programs
+  (`vae_chain`).
+- Deviceless compiles: `topology` (chips, slice shapes), `aot_backend`, `program` (what a
+  compiled program costs), `hlo`, `hbm` and `placement` (read from its optimized HLO).
 
 Import torchax only through `compat.torchax_compat.import_torchax()` (torch 2.13 compatibility).
-The programs themselves arrive with the stage-2 issue.
 """
 
 from .compile import compile_counts
