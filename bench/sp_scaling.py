@@ -2,8 +2,8 @@
 
     python bench/sp_scaling.py [--steps 24] [--blocks 12] [--frames 9] [--out bench/results/sp_scaling.md]
 
-A tiny-but-deep HunyuanVideo-1.5 (hidden 64, 4 heads) runs uncached and with DeepCache at
-sp = 1, 2, 4, 8 on 8 emulated CPU devices (XLA_FLAGS set here, before jax starts). It prints the
+A tiny-but-deep HunyuanVideo-1.5 (`HIDDEN`, `HEADS`) runs uncached and with DeepCache at
+sp = 1, 2, 4, 8 on `DEVICES` emulated CPU devices (XLA_FLAGS set here, before jax starts). It prints the
 loop time per step, the cache speedup at each sp, and the collectives one full and one cached
 call hold (counted in the compiled programs). An honest caveat: emulated devices share this
 machine's cores, so sp > 1 cannot be faster here; the figure that carries over is how much of
@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+DEVICES = 8  # emulated CPU devices
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
@@ -39,6 +40,10 @@ from tpu.backend import JaxBackend  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sp_scaling.md")
 DEFAULTS = {"steps": 24, "blocks": 12, "frames": 9}
+HIDDEN, HEADS = 64, 8  # the tiny-deep model's width and attention heads
+# the cached run's DeepCache: computed from step DEEPCACHE_START every DEEPCACHE_INTERVAL steps,
+# up to DEEPCACHE_END_BEFORE steps before the last
+DEEPCACHE_START, DEEPCACHE_INTERVAL, DEEPCACHE_END_BEFORE = 2, 3, 2
 FOOTER = ("(a step is two calls with CFG; the probe's signal reduction is 1 of these when the gate reads "
           "signals; DeepCache reads none)")
 
@@ -54,6 +59,14 @@ def per_call_collectives(backend, sample, pipe, shape):
     counts = {k: sum(collectives(p.lower(*args[k]).compile().as_text()).values())
               for k, p in backend.programs().items() if k in args}
     return counts["probe"] + counts["middle"] + counts["tail"], counts["probe"] + counts["tail"]
+
+
+def title(cfg, shape, tokens: int, steps: int, deepcache: DeepCacheConfig) -> str:
+    """The table's title, from the model config, latent shape and DeepCache config the bench runs."""
+    return (f"HunyuanVideo-1.5 tiny-deep: {cfg.num_layers} blocks, hidden {cfg.hidden_size}, "
+            f"{cfg.num_heads} heads, latent {list(shape)} ({tokens} tokens), {steps} Euler steps, CFG, "
+            f"fp32; DeepCache start {deepcache.start} end {deepcache.end} interval {deepcache.interval}; "
+            f"{DEVICES} emulated CPU devices")
 
 
 def table_header() -> str:
@@ -102,17 +115,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=OUT, help="the results page to write")
     args = ap.parse_args(argv)
     cfg = dataclasses.replace(hunyuan_video15.CONFIGS["hunyuanvideo-tiny"], num_layers=args.blocks,
-                              hidden_size=64, num_heads=8, rope_axes=(2, 2, 4))
+                              hidden_size=HIDDEN, num_heads=HEADS, rope_axes=(2, 2, 4))
     pipe = _Pipeline("hunyuanvideo-tiny", cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
     shape = pipe.latent_shape(128, 160, args.frames)
     tensors = pipe.synthesize(shape, True, False, 0)
-    cached = CMConfig(deepcache=DeepCacheConfig(start=2, end=args.steps - 2, interval=3))
-    title = (f"HunyuanVideo-1.5 tiny-deep: {args.blocks} blocks, hidden 64, 8 heads, latent "
-             f"{list(shape)} ({pipe.tokens(shape)} tokens), {args.steps} Euler steps, CFG, fp32; "
-             f"DeepCache start 2 end {args.steps - 2} interval 3; 8 emulated CPU devices")
-    print(title)
+    cached = CMConfig(deepcache=DeepCacheConfig(start=DEEPCACHE_START,
+                                                end=args.steps - DEEPCACHE_END_BEFORE,
+                                                interval=DEEPCACHE_INTERVAL))
+    heading = title(cfg, shape, pipe.tokens(shape), args.steps, cached.deepcache)
+    print(heading)
     print(table_header())
     rows = []
     for sp in (1, 2, 4, 8):
@@ -132,7 +145,7 @@ def main(argv=None) -> int:
         rows.append({"sp": sp, **times, "full": counts[0], "cached_call": counts[1]})
         print(table_row(rows[-1]), flush=True)
     print(FOOTER)
-    write_page(args.out, page(title, rows, command(args)))
+    write_page(args.out, page(heading, rows, command(args)))
     return 0
 
 

@@ -53,6 +53,11 @@ KINDS = {"measured": "M", "roofline": "R", "estimate": "E"}
 UMT5 = {"d": 4096, "inner": 64 * 64, "ffn": 10240, "layers": 24}
 QWEN = {"d": 3584, "q": 28 * 128, "kv": 4 * 128, "ffn": 18944, "layers": 28}
 QWEN_CROP = 108  # template tokens before the prompt (encoders/hunyuan_text.py crop_start)
+# The real-size layers `measure_host` times: their sequence lengths (umT5's; Qwen's, a 1000-token
+# text after the template) and how many timed runs, after one warm-up, each median is of
+UMT5_PROBE_TOKENS = 512
+QWEN_PROBE_TOKENS = 1000 + QWEN_CROP
+TIMED_RUNS = 3
 I2V_VAE = "wan2.1-vae"
 
 # The host that runs stage 1 on each slice: (machine, vCPUs, source). v5e and v5p from the Cloud
@@ -86,6 +91,7 @@ class Anchor:
     text: str  # the figure as published
     seconds: float | None  # its stage-2 or whole-run seconds, where one number stands for it
     source: str
+    stage1_seconds: float | None = None  # its stage 1's seconds, where the text gives them
 
 
 ANCHORS = [
@@ -99,7 +105,8 @@ ANCHORS = [
            "at cd93a09"),
     Anchor("wan2.2-i2v-a14b", "v5p:2x2x1",
            "720x1280, 81 frames, 40 steps: stage 1 ~30 s (VAE encode on the TPU), stage 2 ~180 s, "
-           "stage 3 ~20 s, ~230 s in all", 230.0, "gpu-tpu-pedia tpu/Wan2.2/README.md; tpu_notes 1.8"),
+           "stage 3 ~20 s, ~230 s in all", 230.0, "gpu-tpu-pedia tpu/Wan2.2/README.md; tpu_notes 1.8",
+           stage1_seconds=30.0),
     # matched to I2V-A14B on v7x-8 (v7x:2x2x1), the closest of the table's rows: Wan2.2's 40 steps
     # at 720p are A14B's; maxdiffusion does not say T2V or I2V
     Anchor("wan2.2-i2v-a14b", "v7x:2x2x1",
@@ -360,9 +367,10 @@ def readings(rows: list[dict]) -> list[str]:
                            + (f"stages 2 and 3) is {job:.0f} s" if job is not None else
                               f"stage 2) has stage 2 at {ours:.1f} s") + ".")
     if i2v:
+        stage1 = next(a.stage1_seconds for a in ANCHORS if a.stage1_seconds is not None)
         out.append(f"- The Wan2.1 VAE encode of the I2V condition is most of stage 1's FLOPs on the "
                    f"host ({', '.join(i2v)}); the anchor's Wan2.2 stage 1 runs that encode on the TPU "
-                   "(~30 s for all of stage 1 on v5p-8).")
+                   f"(~{stage1:g} s for all of stage 1 on v5p-8).")
     return out
 
 
@@ -371,12 +379,12 @@ def host_lines(host: dict) -> list[str]:
     return [
         f"Stage-1 rates, measured {host['date']} on this machine ({host['cpu']}, {host['threads']} "
         f"threads, load average {host['loadavg'][0]:.1f} from other jobs when it began, so a low "
-        "reading of this CPU): one real-size layer each, random weights, median of 3 timed runs "
-        f"after one warm-up: umT5-XXL {r['umt5']:.1f} GFLOP/s (bf16, 512 tokens), Qwen2.5-VL-7B "
-        f"{r['qwen']:.1f} (bf16, 1108 tokens), the Wan2.1 VAE encoder {r['vae']:.1f} (fp32, "
-        f"{host['vae_probe']}). A plain matmul of umT5's FFN shape: {r['matmul_bf16']:.1f} GFLOP/s "
-        f"in bf16, {r['matmul_fp32']:.1f} in fp32 (this CPU's bf16 instructions: "
-        f"{', '.join(host['bf16_native']) or 'none, no AVX512-BF16 or AMX'})"
+        f"reading of this CPU): one real-size layer each, random weights, median of {TIMED_RUNS} timed "
+        f"runs after one warm-up: umT5-XXL {r['umt5']:.1f} GFLOP/s (bf16, {UMT5_PROBE_TOKENS} tokens), "
+        f"Qwen2.5-VL-7B {r['qwen']:.1f} (bf16, {QWEN_PROBE_TOKENS} tokens), the Wan2.1 VAE encoder "
+        f"{r['vae']:.1f} (fp32, {host['vae_probe']}). A plain matmul of umT5's FFN shape: "
+        f"{r['matmul_bf16']:.1f} GFLOP/s in bf16, {r['matmul_fp32']:.1f} in fp32 (this CPU's bf16 "
+        f"instructions: {', '.join(host['bf16_native']) or 'none, no AVX512-BF16 or AMX'})"
         + ("" if r["matmul_bf16"] >= r["matmul_fp32"] else
            f": the bf16 that stage 1 runs its text encoders in on a CPU is "
            f"{r['matmul_fp32'] / r['matmul_bf16']:.1f}x slower than fp32 here, so a host with native "
@@ -384,11 +392,12 @@ def host_lines(host: dict) -> list[str]:
         "",
         f"Measured, the whole stage 1 at tiny size: `python stage1_encode.py --prompt \"...\"` on "
         f"the default tiny model ({host['tiny_model']}) takes {host['tiny_stage1_s']:.1f} s [M] "
-        "a process on this machine (median of 3; the interpreter and imports included).",
+        f"a process on this machine (median of {TIMED_RUNS}; the interpreter and imports included).",
     ]
 
 
 def page(rows: list[dict], host: dict, skipped: list[str] = ()) -> list[str]:
+    vcpus = [vcpu for _, vcpu, _ in HOSTS.values()]
     lines = [
         "# The whole job: stage 1, stage 2, stage 3 and compile, per pipeline and slice",
         "",
@@ -404,8 +413,8 @@ def page(rows: list[dict], host: dict, skipped: list[str] = ()) -> list[str]:
         "presets (TeaCache-based) decide per run, so they have no roofline without a trace.",
         "",
         "| pipeline (frames x H x W) | slice | stage 1 (host) | stage 2 uncached | stage 2 cached "
-        "(schedule) | stage 3 | compile cold (this 2-core machine) | compile warm | total uncached "
-        "| total cached | anchor, published |",
+        f"(schedule) | stage 3 | compile cold (this {os.cpu_count()}-core machine) | compile warm "
+        "| total uncached | total cached | anchor, published |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *[table_line(r, rows) for r in rows],
         *([] if not skipped else [
@@ -425,8 +434,9 @@ def page(rows: list[dict], host: dict, skipped: list[str] = ()) -> list[str]:
         "the schedule; stage 3: the clip's decode, the first call + a steady call per further "
         "latent frame, each a chain of block programs).",
         "- Compile cold [M]: the reports' compile seconds, stage 2's programs + stage 3's, libtpu "
-        "compiling deviceless on this shared 2-core machine (a TPU VM host has 44-224 vCPUs; stage "
-        "3's block programs compile a core pair each, one at a time here).",
+        f"compiling deviceless on this shared {os.cpu_count()}-core machine (a TPU VM host has "
+        f"{min(vcpus)}-{max(vcpus)} vCPUs; stage 3's block programs compile a core pair each, one at a "
+        "time here).",
         f"- Compile warm [E]: every program from the persistent cache (a second run compiles "
         f"nothing: tests/test_compile_cache.py); loading them is not measured here (no TPU). "
         f"{WARM_STAGE2:g} s for stage 2 + {WARM_STAGE3:g} s for stage 3, from {WARM_BASIS}.",
@@ -460,7 +470,7 @@ def page(rows: list[dict], host: dict, skipped: list[str] = ()) -> list[str]:
 
 # --- measuring this CPU ---------------------------------------------------------------------------
 
-def _median_seconds(fn, runs: int = 3) -> float:
+def _median_seconds(fn, runs: int = TIMED_RUNS) -> float:
     fn()  # warm-up
     times = []
     for _ in range(runs):
@@ -478,8 +488,8 @@ def _umt5_layer():
     model = UMT5EncoderModel(UMT5Config(
         vocab_size=1000, d_model=c["d"], d_kv=64, num_heads=c["inner"] // 64, d_ff=c["ffn"],
         num_layers=1, feed_forward_proj="gated-gelu", is_encoder_decoder=False)).bfloat16().eval()
-    ids = torch.randint(0, 1000, (1, 512))
-    return umt5_flops(512) / c["layers"], lambda: model(input_ids=ids)
+    ids = torch.randint(0, 1000, (1, UMT5_PROBE_TOKENS))
+    return umt5_flops(UMT5_PROBE_TOKENS) / c["layers"], lambda: model(input_ids=ids)
 
 
 def _qwen_layer():
@@ -491,7 +501,7 @@ def _qwen_layer():
         vocab_size=1000, hidden_size=c["d"], intermediate_size=c["ffn"], num_hidden_layers=1,
         num_attention_heads=c["q"] // 128, num_key_value_heads=c["kv"] // 128,
         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})).bfloat16().eval()
-    ids = torch.randint(0, 1000, (1, 1000 + QWEN_CROP))
+    ids = torch.randint(0, 1000, (1, QWEN_PROBE_TOKENS))
     return qwen_flops(ids.shape[1]) / c["layers"], lambda: model(input_ids=ids, output_hidden_states=True)
 
 
