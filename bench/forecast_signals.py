@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench import pareto_report as report  # noqa: E402
 from bench import pareto_workload as pw
+from bench.page import machine  # noqa: E402
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from cache.manager import CacheManager  # noqa: E402
 from cache.residuals import extrapolation_weights  # noqa: E402
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
              f"Reproduce: `python bench/forecast_signals.py"
              f"{'' if args.families == 'wan,hunyuan' else ' --families ' + args.families}` "
              f"(bench/pareto.py's workload, one uncached run per family, cond branch; "
-             f"{report.machine()}).", ""]
+             f"{machine()}).", ""]
     for key in args.families.split(","):
         family = fams[key]
         big, small = residuals(family)

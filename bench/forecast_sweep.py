@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from bench import pareto_report as report  # noqa: E402
 from bench import pareto_workload as pw
 from bench.forecast_signals import write_report  # noqa: E402
+from bench.page import machine  # noqa: E402
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     command = "python bench/forecast_sweep.py" + ("" if argv is None and len(sys.argv) == 1
                                                   else " " + " ".join(sys.argv[1:] if argv is None else argv))
     lines = ["# Forecasting variants against the stored peer front (issue 17)", "",
-             f"Reproduce: `{command}` ({report.machine()}). Peers: bench/results/pareto/"
+             f"Reproduce: `{command}` ({machine()}). Peers: bench/results/pareto/"
              "results.csv. One seed: points move by a few dB with luck; read curves.", "",
              "Variants:", ""] + [f"- {v}: {VARIANTS[v][0]}" for v in variants]
     for key in args.families.split(","):

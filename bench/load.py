@@ -327,7 +327,7 @@ DEFAULTS = {"model": "wan2.2-ti2v-5b", "layers": None, "paths": "old,new", "hold
 
 def command(args) -> str:
     """The run's command: its flags that change what is measured (not where files go)."""
-    from bench.pareto_report import command_line  # lazily: the parent loads no model stack
+    from bench.page import command_line  # lazily: the parent loads no model stack
     return command_line("load.py", args, DEFAULTS)
 
 
@@ -408,7 +408,7 @@ def main():
     print(f"machine: {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d')}; peak RSS = the child's "
           "getrusage ru_maxrss (mapped file pages count while mapped)")
     if args.out:
-        from bench.presets import write_section  # the presets page's section writer
+        from bench.page import write_section  # a page of sections, one a run
         cmd = command(args)
         write_section(args.out, cmd, section(
             rows, cmd=cmd, model=args.model, layers=args.layers, size=size, shards=shards, host=host,

@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.page import machine, versions  # noqa: E402
 from bench.pareto_page import write_readme  # noqa: E402
 from bench.pareto_peers import (  # noqa: E402
     cachedit_setup,
@@ -61,14 +62,12 @@ from bench.pareto_report import (  # noqa: E402
     budget_standing,
     follow_standing,
     kept,
-    machine,
     plot,
     plot_follow,
     row,
     show,
     standing,
     table,
-    versions,
     write_csv,
 )
 from bench.pareto_workload import (  # noqa: E402

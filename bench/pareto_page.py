@@ -8,6 +8,7 @@ import math
 import re
 import textwrap
 
+from bench.page import machine, versions
 from bench.pareto_report import (
     BEHIND_DB,
     BEHIND_RATIO,
@@ -17,12 +18,10 @@ from bench.pareto_report import (
     cheapest_for,
     follow_standing,
     front,
-    machine,
     not_registered,
     points,
     standing,
     table,
-    versions,
 )
 from bench.pareto_workload import BUDGET_SEEDS, INIT, UNSEEN_SEEDS
 

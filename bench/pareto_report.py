@@ -4,16 +4,10 @@ following, the tables, plots and the results page."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import platform
 import re
-import shlex
 
-import torch
-
+from bench.page import versions
 from bench.pareto_workload import BUDGET_SEEDS, SEED, UNSEEN_SEEDS
 from sampling.fidelity import fidelity
 
@@ -286,44 +280,6 @@ def plot(rows, fams, path) -> bool:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            found = re.search(r"model name\s*:\s*(.*)", f.read())
-            cpu = found.group(1) if found else cpu
-    return (f"{cpu}, {os.cpu_count()} cores visible, torch {torch.__version__} on CPU with "
-            f"{torch.get_num_threads()} thread(s), Python {platform.python_version()}, "
-            f"{platform.system()} {platform.release()}")
-
-
-def versions(names=("diffusers", "cache_dit")) -> str:
-    out = []
-    for name in names:
-        try:
-            module = __import__(name)
-            out.append(f"{name.replace('_', '-')} {module.__version__}")
-        except Exception as exc:  # noqa: BLE001
-            out.append(f"{name.replace('_', '-')} not importable ({type(exc).__name__})")
-    return ", ".join(out)
-
-
-def command_line(script: str, args, defaults: dict) -> str:
-    """`python bench/<script>` with the run's flags that differ from `defaults`: what reproduces it."""
-    flags = "".join(f" --{k} {shlex.quote(str(getattr(args, k)))}" for k, v in defaults.items()
-                    if getattr(args, k) != v)
-    return f"python bench/{script}{flags}"
-
-
-def trained_step(weights: str) -> int | None:
-    """The training step recorded beside trained weights (training.json), if any."""
-    try:
-        with open(os.path.join(weights, "training.json")) as f:
-            return json.load(f).get("step")
-    except (OSError, ValueError):
-        return None
 
 
 def not_registered() -> str:

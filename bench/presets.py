@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench import pareto_report as report  # noqa: E402
+from bench.page import command_line, machine, trained_step, versions, write_section  # noqa: E402
 from bench.workload import SIGNAL_SCALES, signal_scale, smooth_in_t  # noqa: E402
 from cache import CMConfig, DeepCacheConfig, TeaCacheConfig  # noqa: E402
 from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
@@ -45,7 +45,6 @@ from cache.preset import PRESETS, load_preset  # noqa: E402
 from modules import hunyuan_video15, wan  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
-from sampling.journal import atomic_write, folder_lock  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
@@ -348,7 +347,7 @@ def head() -> str:
 
 def _reproduce(cmd, elapsed, loads, extra="") -> str:
     return (f"Reproduce: `{cmd}` ({elapsed:.0f} s{extra}; {datetime.date.today().isoformat()}; "
-            f"{report.machine()}; {report.versions(('jax',))}; 1-minute load average "
+            f"{machine()}; {versions(('jax',))}; 1-minute load average "
             f"{loads[0]:.2f} at the start, {loads[1]:.2f} at the end: the wall column moves with "
             "other jobs on the machine, the other columns do not).")
 
@@ -395,49 +394,7 @@ def trained_section(models, *, cmd, elapsed, loads, init, prompts, weights, chec
     return lines
 
 
-# --- the page: one section per mode -------------------------------------------------------------
-
-MARK = "<!-- section: {} (written by its run; edits are overwritten) -->"
-_MARK = re.compile(r"<!-- section: (.*) \(written by its run; edits are overwritten\) -->")
-
-
-def splice(text: str, key: str, lines: list[str], head: str, rank=lambda key: 0) -> str:
-    """The page `text` with section `key` set to `lines` (where it is, or added), the others kept,
-    ordered by `rank` (stable); `head` first. Text outside any section (a page typed by hand
-    before these markers) is dropped: only what a run wrote stays."""
-    sections, current = {}, None
-    for line in text.splitlines():
-        found = _MARK.fullmatch(line)
-        if found:
-            current = found.group(1)
-            sections[current] = []
-        elif current is not None:
-            sections[current].append(line)
-    sections[key] = list(lines)
-    out = [head.rstrip("\n")]
-    for k in sorted(sections, key=rank):
-        body = sections[k]
-        while body and not body[-1]:
-            body.pop()
-        out += ["", MARK.format(k), *body]
-    return "\n".join(out) + "\n"
-
-
-def write_section(path: str, key: str, lines: list[str], head: str, rank=lambda key: 0) -> None:
-    """Set one section of the page at `path`, atomically; the folder's lock keeps two runs
-    writing their sections at once from losing one."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with folder_lock(folder, exclusive=True):
-        try:
-            with open(path) as f:
-                old = f.read()
-        except FileNotFoundError:
-            old = ""
-        text = splice(old, key, lines, head, rank)
-        atomic_write(path, lambda f: f.write(text))
-    print(f"wrote {os.path.relpath(path)} (section {key})", flush=True)
-
+# --- the page: one section per mode (bench/page.py writes it) --------------------------------
 
 SECTIONS = ("random", "trained")  # first on the page; then each --checkpoint's
 
@@ -448,7 +405,7 @@ def _rank(key: str) -> int:
 
 def command(args) -> str:
     """The command that reproduces the run (its flags that differ from the defaults; --out aside)."""
-    return report.command_line("presets.py", args, DEFAULTS)
+    return command_line("presets.py", args, DEFAULTS)
 
 
 DEFAULTS = {"steps": 50, "blocks": 16, "scales": ",".join(SIGNAL_SCALES), "backend": "jax",
@@ -536,7 +493,7 @@ def main_trained(args, runs, began, load):
         models.append(record(name, header, results, attributes=ATTRIBUTES))
         print("\n" + "\n".join(model_lines(models[-1])))
         path = family.checkpoint or pipe.builtin_path
-        weights.append((os.path.relpath(path, ROOT), report.trained_step(path)))
+        weights.append((os.path.relpath(path, ROOT), trained_step(path)))
     print("\n" + "\n".join(verdict_lines(models)))
     if args.out:
         # one section per checkpoint, however its path was spelt

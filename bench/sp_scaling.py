@@ -26,12 +26,11 @@ import datetime  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench import pareto_report as report  # noqa: E402
+from bench.page import command_line, machine, write_page  # noqa: E402
 from bench.presets import _Pipeline  # noqa: E402
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
 from modules import hunyuan_video15  # noqa: E402
 from modules.registry import build_model  # noqa: E402
-from sampling.journal import atomic_write  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import make_mesh  # noqa: E402
@@ -81,7 +80,7 @@ def table_row(r: dict) -> str:
 
 
 def command(args) -> str:
-    return report.command_line("sp_scaling.py", args, DEFAULTS)
+    return command_line("sp_scaling.py", args, DEFAULTS)
 
 
 def page(title: str, rows: list[dict], cmd: str) -> list[str]:
@@ -91,7 +90,7 @@ def page(title: str, rows: list[dict], cmd: str) -> list[str]:
 
     return [
         "# bench/sp_scaling.py", "",
-        f"Command: `{cmd}`. Machine: {report.machine()}; {jax.device_count()} emulated CPU devices "
+        f"Command: `{cmd}`. Machine: {machine()}; {jax.device_count()} emulated CPU devices "
         f"({os.environ['XLA_FLAGS']}), jax {jax.__version__}, measured "
         f"{datetime.date.today().isoformat()}. Emulated devices share this machine's cores, so sp > 1 "
         "cannot be faster here; what carries over is how much of the cache speedup survives the "
@@ -99,11 +98,6 @@ def page(title: str, rows: list[dict], cmd: str) -> list[str]:
         "```", title, table_header(), *(table_row(r) for r in rows), FOOTER, "```",
     ]
 
-
-def write_page(path: str, lines: list[str]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda f: f.write("\n".join(lines) + "\n"))
-    print(f"wrote {os.path.relpath(path)}", flush=True)
 
 
 def main(argv=None) -> int:

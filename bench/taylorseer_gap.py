@@ -31,9 +31,9 @@ import torch  # noqa: E402
 from bench import pareto_peers as peers  # noqa: E402
 from bench import pareto_report as report  # noqa: E402
 from bench import pareto_workload as pw  # noqa: E402
+from bench.page import command_line, machine, trained_step, versions, write_page  # noqa: E402
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
-from sampling.journal import atomic_write  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -186,7 +186,7 @@ def readings(rows) -> list[str]:
 
 
 def command(args) -> str:
-    return report.command_line("taylorseer_gap.py", args, DEFAULTS)
+    return command_line("taylorseer_gap.py", args, DEFAULTS)
 
 
 def page(rows, agreement_db: float, *, cmd: str, prompts: int, steps: int, weights: str,
@@ -201,7 +201,7 @@ def page(rows, agreement_db: float, *, cmd: str, prompts: int, steps: int, weigh
     return [
         "# Fixed-interval reuse against diffusers' TaylorSeer, step for step (trained tiny Wan)", "",
         f"Reproduce: `{cmd}` ({prompts} held-out prompts pooled; {trained}; "
-        f"{datetime.date.today().isoformat()}; {report.machine()}; {report.versions()}).", "",
+        f"{datetime.date.today().isoformat()}; {machine()}; {versions()}).", "",
         f"PSNR of each implementation against its own uncached run ({agree}). DeepCache "
         f"a/{steps}/n computes the steps before a and every n-th from a; start 1 computes the steps "
         f"diffusers' TaylorSeer computes (step 0, then every n-th from step 1, the last step "
@@ -210,11 +210,6 @@ def page(rows, agreement_db: float, *, cmd: str, prompts: int, steps: int, weigh
         "Reading it:", "", *(f"- {b}" for b in readings(rows)),
     ]
 
-
-def write_page(path: str, lines: list[str]) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    atomic_write(path, lambda f: f.write("\n".join(lines) + "\n"))
-    print(f"wrote {os.path.relpath(path)}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -263,7 +258,7 @@ def main(argv=None) -> int:
                             remodulate=remodulate, steps=wl.steps))
     weights = wl.family.checkpoint or wl.pipe.builtin_path
     lines = page(rows, agreement, cmd=command(args), prompts=len(seeds), steps=wl.steps,
-                 weights=os.path.relpath(weights, ROOT), step=report.trained_step(weights))
+                 weights=os.path.relpath(weights, ROOT), step=trained_step(weights))
     write_page(args.out, lines)
     return 0
 

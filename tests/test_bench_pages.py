@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 from bench import taylorseer_gap as tg
+from bench.page import trained_step, write_page, write_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,7 @@ def test_taylorseer_page_from_rows(tmp_path):
     assert "gives 49.0 dB against 46.0 for +0.02 computed" in bullets[2]
     # quadratic minus linear: -6.0, -4.1, -7.0, -6.7
     assert "loses 4.1-7.0 dB to the linear one in every pair (4)" in bullets[3]
-    tg.write_page(str(tmp_path / "sub" / "page.md"), lines)
+    write_page(str(tmp_path / "sub" / "page.md"), lines)
     assert (tmp_path / "sub" / "page.md").read_text() == text + "\n"
     assert not [p for p in (tmp_path / "sub").iterdir() if p.name != "page.md"]  # no temporary left
 
@@ -82,7 +83,6 @@ def test_taylorseer_readings_follow_the_rows():
 
 
 def test_taylorseer_trained_step(tmp_path):
-    from bench.pareto_report import trained_step
     assert trained_step(str(tmp_path)) is None
     (tmp_path / "training.json").write_text(json.dumps({"step": 77}))
     assert trained_step(str(tmp_path)) == 77
@@ -96,10 +96,11 @@ def test_sp_scaling_page(tmp_path):
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         from bench import sp_scaling as s
+        from bench.page import write_page
         rows = [{{"sp": 1, "uncached": 0.05, "cached": 0.04, "full": 0, "cached_call": 0}},
                 {{"sp": 8, "uncached": 0.2, "cached": 0.08, "full": 256, "cached_call": 24}}]
         args = argparse.Namespace(steps=6, blocks=12, frames=9)
-        s.write_page({str(out)!r}, s.page("TITLE", rows, s.command(args)))
+        write_page({str(out)!r}, s.page("TITLE", rows, s.command(args)))
     """)
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -206,7 +207,7 @@ def test_presets_page_keeps_each_modes_section(tmp_path):
     models = _preset_models()
 
     def section(key, word):
-        ps.write_section(str(page), key, [f"## {key}", "", word], ps.head(), ps._rank)
+        write_section(str(page), key, [f"## {key}", "", word], ps.head(), ps._rank)
 
     section("checkpoint bench/x", "first")
     section("trained", "second")
@@ -223,7 +224,7 @@ def test_presets_page_keeps_each_modes_section(tmp_path):
            "of the reused residual; never two reuses in a row." in text
     assert [p.name for p in tmp_path.iterdir()] == ["presets.md"]  # no temporary left
     # a whole section from rows goes in the same way
-    ps.write_section(str(page), "random", ps.random_section(models, cmd="c", elapsed=1.0, loads=(0, 0),
+    write_section(str(page), "random", ps.random_section(models, cmd="c", elapsed=1.0, loads=(0, 0),
                                                             init="i"), ps.head(), ps._rank)
     assert "holds on 3 of 4 models" in page.read_text() and "again" in page.read_text()
 
@@ -277,7 +278,6 @@ def test_load_section_from_rows():
 
 def test_load_page_keeps_each_variants_section(tmp_path):
     from bench import load
-    from bench.presets import write_section
     page = tmp_path / "load.md"
     variant = "python bench/load.py --cache warm"
     write_section(str(page), variant, _load_section(_load_rows(), cmd=variant, cache="warm"),
