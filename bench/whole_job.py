@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -59,6 +60,19 @@ UMT5_PROBE_TOKENS = 512
 QWEN_PROBE_TOKENS = 1000 + QWEN_CROP
 TIMED_RUNS = 3
 I2V_VAE = "wan2.1-vae"
+HY_VAE = "hunyuanvideo-1.5-vae"
+# The image and speech encoders (stage1_encoders.md sections 2-3), counted by torch's flop counter
+# on the meta device: HunyuanVideo-1.5 I2V's SigLIP so400m-patch14-384 (FLUX.1-Redux's: hidden
+# 1152, 16 heads, MLP 4304, 27 layers, one 384 x 384 image) in bf16 on a CPU, and S2V's
+# wav2vec2-large-xlsr-53 (hidden 1024, 16 heads, FFN 4096, 24 layers, stable layer norm, 16 kHz
+# speech, fp32 as the official encoder runs it)
+SIGLIP = {"hidden_size": 1152, "num_attention_heads": 16, "intermediate_size": 4304,
+          "num_hidden_layers": 27, "patch_size": 14, "image_size": 384}
+WAV2VEC2 = {"hidden_size": 1024, "num_attention_heads": 16, "intermediate_size": 4096,
+            "num_hidden_layers": 24, "do_stable_layer_norm": True, "feat_extract_norm": "layer",
+            "conv_bias": True}
+AUDIO_HZ = 16000
+WAV2VEC2_PROBE_SECONDS = 5  # one S2V clip: 80 frames at 16 fps
 
 # The host that runs stage 1 on each slice: (machine, vCPUs, source). v5e and v5p from the Cloud
 # TPU pages (docs.cloud.google.com/tpu/docs/v5e "VM types"; /tpu/docs/v5p-training "VM, host and
@@ -160,6 +174,41 @@ def qwen_flops(tokens: int) -> float:
     return c["layers"] * per_layer
 
 
+@functools.cache
+def siglip_flops(layers: int = SIGLIP["num_hidden_layers"]) -> float:
+    """One SigLIP image encode (`layers` of its layers), counted on the meta device."""
+    import torch
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(**{**SIGLIP, "num_hidden_layers": layers})
+    with torch.device("meta"):
+        model = SiglipVisionModel(config).eval()
+    return _counted(lambda: model(pixel_values=torch.zeros(1, 3, config.image_size, config.image_size,
+                                                           device="meta")))
+
+
+@functools.cache
+def wav2vec2_flops(seconds: float, layers: int = WAV2VEC2["num_hidden_layers"]) -> float:
+    """One wav2vec2 pass over `seconds` of 16 kHz speech (every hidden state asked, as
+    encoders/wan_audio.py does), counted on the meta device."""
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    with torch.device("meta"):
+        model = Wav2Vec2Model(Wav2Vec2Config(**{**WAV2VEC2, "num_hidden_layers": layers})).eval()
+    samples = torch.zeros(1, round(seconds * AUDIO_HZ), device="meta")
+    return _counted(lambda: model(samples, output_hidden_states=True))
+
+
+def _counted(call) -> float:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        call()
+    return float(counter.get_total_flops())
+
+
 def _vae(spec_name: str, device: str):
     import diffusers
     import torch
@@ -175,16 +224,17 @@ def vae_encoder_flops(spec_name: str, frames: int, height: int, width: int) -> f
     """The VAE encode of a [1, 3, F, H, W] video, counted by torch's flop counter on the meta
     device (no memory, a few seconds)."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
     vae = _vae(spec_name, "meta")
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        vae.encode(torch.zeros(1, 3, frames, height, width, device="meta"))
-    return float(counter.get_total_flops())
+    return _counted(lambda: vae.encode(torch.zeros(1, 3, frames, height, width, device="meta")))
 
 
 def vae_key(spec_name: str, frames: int, height: int, width: int) -> str:
     return f"{spec_name} {frames}x{height}x{width}"
+
+
+# the pipelines whose stage 1 `stage1_work` models, by family
+STAGE1_TASKS = {"wan": ("t2v", "ti2v", "i2v", "s2v"), "hunyuan_video15": ("t2v", "i2v")}
 
 
 @dataclass(frozen=True)
@@ -197,25 +247,38 @@ class Work:
 def stage1_work(report: dict, vae_flops: Callable[[str, int, int, int], float]) -> list[Work]:
     """What stage 1 computes for the report's pipeline at its size: the prompt and, with CFG,
     the negative prompt at the full text length (an upper bound: stage 1 runs the real tokens
-    only), and I2V-A14B's condition video through the Wan2.1 VAE encoder."""
+    only); I2V-A14B's condition video through the Wan2.1 VAE encoder; S2V's speech (the clip's
+    seconds) through wav2vec2 and its reference image through the Wan2.1 VAE encoder;
+    HunyuanVideo-1.5 I2V's image through SigLIP and its VAE encoder."""
     pipe = get_pipeline(report["model"])
     guidance = pipe.guidance if isinstance(pipe.guidance, tuple) else (pipe.guidance,)
     prompts = 2 if any(g != 1 for g in guidance) else 1
     height, width, frames = report["size"]
-    if pipe.family == "wan" and pipe.task in ("t2v", "ti2v", "i2v"):
+    if pipe.family == "wan" and pipe.task in STAGE1_TASKS["wan"]:
         tokens = pipe.config.text_len
         work = [Work(f"umT5-XXL bf16, {prompts} x {tokens} tokens", prompts * umt5_flops(tokens),
                      "umt5")]
         if pipe.task == "i2v":
             work.append(Work(f"Wan2.1 VAE encoder fp32, {frames} x {height} x {width}",
                              vae_flops(I2V_VAE, frames, height, width), "vae"))
+        if pipe.task == "s2v":
+            seconds = frames / pipe.fps
+            work += [Work(f"wav2vec2-large fp32, {seconds:g} s of speech", wav2vec2_flops(seconds),
+                          "wav2vec2"),
+                     Work(f"Wan2.1 VAE encoder fp32, the reference image, 1 x {height} x {width}",
+                          vae_flops(I2V_VAE, 1, height, width), "vae")]
         return work
-    if pipe.family == "hunyuan_video15" and pipe.task == "t2v":
+    if pipe.family == "hunyuan_video15" and pipe.task in STAGE1_TASKS["hunyuan_video15"]:
         tokens = pipe.config.text_len + QWEN_CROP
-        return [Work(f"Qwen2.5-VL-7B text bf16, {prompts} x {tokens} tokens (no quoted text: "
+        work = [Work(f"Qwen2.5-VL-7B text bf16, {prompts} x {tokens} tokens (no quoted text: "
                      "no ByT5)", prompts * qwen_flops(tokens), "qwen")]
-    raise ValueError(f"{report['model']} ({pipe.task}): no stage-1 work model; expected a Wan "
-                     "T2V/TI2V/I2V or HunyuanVideo-1.5 T2V pipeline")
+        if pipe.task == "i2v":
+            work += [Work("SigLIP so400m bf16, 1 image", siglip_flops(), "siglip"),
+                     Work(f"HunyuanVideo-1.5 VAE encoder fp32, 1 x {height} x {width}",
+                          vae_flops(HY_VAE, 1, height, width), "hy_vae")]
+        return work
+    raise ValueError(f"{report['model']} ({pipe.family} {pipe.task}): no stage-1 work model; "
+                     f"expected one of {STAGE1_TASKS}")
 
 
 def stage1_figure(report: dict, host: dict) -> tuple[Figure, list[Work], tuple]:
@@ -286,8 +349,7 @@ def job_row(name: str, r: dict, decode: tuple[str, dict] | None, host: dict) -> 
 def modelled(model: str) -> bool:
     """Whether `stage1_work` knows what the pipeline's stage 1 computes."""
     pipe = get_pipeline(model)
-    return (pipe.family == "wan" and pipe.task in ("t2v", "ti2v", "i2v")
-            or pipe.family == "hunyuan_video15" and pipe.task == "t2v")
+    return pipe.task in STAGE1_TASKS.get(pipe.family, ())
 
 
 def unmodelled(folder: Path = OUT) -> list[str]:
@@ -350,7 +412,7 @@ def readings(rows: list[dict]) -> list[str]:
     out, i2v = [], []
     for row in rows:
         work = row["stage1_work"]
-        if any(w["rate"] == "vae" for w in work):
+        if get_pipeline(row["model"]).task == "i2v" and any(w["rate"] == "vae" for w in work):
             vae = sum(w["flops"] for w in work if w["rate"] == "vae")
             i2v.append(f"`{row['row']}` {vae / sum(w['flops'] for w in work):.0%}")
         for a in row["anchors"]:
@@ -382,7 +444,12 @@ def host_lines(host: dict) -> list[str]:
         f"reading of this CPU): one real-size layer each, random weights, median of {TIMED_RUNS} timed "
         f"runs after one warm-up: umT5-XXL {r['umt5']:.1f} GFLOP/s (bf16, {UMT5_PROBE_TOKENS} tokens), "
         f"Qwen2.5-VL-7B {r['qwen']:.1f} (bf16, {QWEN_PROBE_TOKENS} tokens), the Wan2.1 VAE encoder "
-        f"{r['vae']:.1f} (fp32, {host['vae_probe']}). A plain matmul of umT5's FFN shape: "
+        f"{r['vae']:.1f} (fp32, {host['vae_probe']})"
+        + ("" if "siglip" not in r else
+           f", the HunyuanVideo-1.5 VAE encoder {r['hy_vae']:.1f} (fp32, one frame of that size), "
+           f"SigLIP {r['siglip']:.1f} (bf16, one image), wav2vec2-large {r['wav2vec2']:.1f} (fp32, "
+           f"all {WAV2VEC2['num_hidden_layers']} layers, {WAV2VEC2_PROBE_SECONDS} s of speech)")
+        + ". A plain matmul of umT5's FFN shape: "
         f"{r['matmul_bf16']:.1f} GFLOP/s in bf16, {r['matmul_fp32']:.1f} in fp32 (this CPU's bf16 "
         f"instructions: {', '.join(host['bf16_native']) or 'none, no AVX512-BF16 or AMX'})"
         + ("" if r["matmul_bf16"] >= r["matmul_fp32"] else
@@ -426,8 +493,9 @@ def page(rows: list[dict], host: dict, skipped: list[str] = ()) -> list[str]:
         "",
         "- Stage 1 [E]: FLOPs counted from the encoders' architectures (2 a multiply-add; the "
         "prompt and, with CFG, the negative prompt at the pipeline's full text length: an upper "
-        "bound, as stage 1 runs only the real tokens; the VAE encode counted by torch's flop counter "
-        "on the meta device) / the rate one real-size layer sustains on this CPU, scaled linearly "
+        "bound, as stage 1 runs only the real tokens; the VAE encodes and the image and speech "
+        "encoders counted by torch's flop counter on the meta device) / the rate one real-size "
+        "layer sustains on this CPU, scaled linearly "
         "to the host's vCPUs (as if each sustained this CPU's rate per thread: optimistic in the "
         "scaling, pessimistic in the rate, see below).",
         "- Stage 2 and stage 3 [R]: the reports' roofline run (stage 2: every step, uncached or at "
@@ -515,6 +583,33 @@ def _vae_encoder():
     return vae_encoder_flops(*VAE_PROBE), lambda: vae.encode(video)
 
 
+def _hy_vae_encoder():
+    import torch
+
+    vae, image = _vae(HY_VAE, "cpu"), torch.randn(1, 3, 1, *VAE_PROBE[2:])
+    return vae_encoder_flops(HY_VAE, 1, *VAE_PROBE[2:]), lambda: vae.encode(image)
+
+
+def _siglip_layer():
+    import torch
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(**{**SIGLIP, "num_hidden_layers": 1})
+    model = SiglipVisionModel(config).bfloat16().eval()
+    pixels = torch.randn(1, 3, config.image_size, config.image_size, dtype=torch.bfloat16)
+    return siglip_flops(layers=1), lambda: model(pixel_values=pixels)
+
+
+def _wav2vec2():
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    model = Wav2Vec2Model(Wav2Vec2Config(**WAV2VEC2)).eval()
+    speech = torch.randn(1, WAV2VEC2_PROBE_SECONDS * AUDIO_HZ)
+    return (wav2vec2_flops(WAV2VEC2_PROBE_SECONDS),
+            lambda: model(speech, output_hidden_states=True))
+
+
 def _matmul(dtype_name: str):
     import torch
 
@@ -533,7 +628,7 @@ def gflops(build) -> float:
         return flops / _median_seconds(call) / 1e9
 
 
-def measure_host(vae_sizes: list[tuple[str, int, int, int]]) -> dict:
+def measure_host(sizes: list[tuple[str, int, int, int]]) -> dict:
     """This CPU's rates on one real-size layer of each encoder, a plain matmul in both dtypes,
     the tiny default stage 1, and the VAE encode FLOPs at the sizes the rows need."""
     import torch
@@ -542,6 +637,8 @@ def measure_host(vae_sizes: list[tuple[str, int, int, int]]) -> dict:
     logging.set_verbosity_error()
     load = os.getloadavg()
     rates = {"umt5": gflops(_umt5_layer), "qwen": gflops(_qwen_layer), "vae": gflops(_vae_encoder),
+             "hy_vae": gflops(_hy_vae_encoder), "siglip": gflops(_siglip_layer),
+             "wav2vec2": gflops(_wav2vec2),
              "matmul_fp32": gflops(lambda: _matmul("float32")),
              "matmul_bf16": gflops(lambda: _matmul("bfloat16"))}
     with tempfile.TemporaryDirectory() as tmp:
@@ -558,17 +655,16 @@ def measure_host(vae_sizes: list[tuple[str, int, int, int]]) -> dict:
             "bf16_native": sorted(flags & {"avx512_bf16", "amx_bf16"}),
             "loadavg": load, "rates_gflops": rates, "vae_probe": "x".join(map(str, VAE_PROBE[1:])),
             "tiny_stage1_s": tiny, "tiny_model": tiny_model,
-            "vae_flops": {vae_key(*k): vae_encoder_flops(*k) for k in vae_sizes}}
+            "vae_flops": {vae_key(*k): vae_encoder_flops(*k) for k in sizes}}
 
 
-def i2v_sizes(folder: Path = OUT) -> list[tuple[str, int, int, int]]:
-    """The VAE encodes the rows' stage 1 needs (I2V reports' sizes)."""
+def vae_sizes(folder: Path = OUT) -> list[tuple[str, int, int, int]]:
+    """The VAE encodes the rows' stage 1 needs, as `stage1_work` asks for them."""
     sizes = set()
     for name, _ in ROWS:
         r = read_report(name, folder)
-        if r is not None and modelled(r["model"]) and get_pipeline(r["model"]).task == "i2v":
-            height, width, frames = r["size"]
-            sizes.add((I2V_VAE, frames, height, width))
+        if r is not None and modelled(r["model"]):
+            stage1_work(r, lambda *size: sizes.add(size) or 0.0)
     return sorted(sizes)
 
 
@@ -590,10 +686,10 @@ def main(argv=None) -> int:
             raise SystemExit(f"--page_only: {DATA.relative_to(ROOT)} does not exist; run "
                              "`python bench/whole_job.py` once to measure this CPU")
         host = json.loads(DATA.read_text())["host"]
-        for size in i2v_sizes():
+        for size in vae_sizes():
             host["vae_flops"].setdefault(vae_key(*size), vae_encoder_flops(*size))
     else:
-        host = measure_host(i2v_sizes())
+        host = measure_host(vae_sizes())
     print(write(job_rows(host), host, skipped=unmodelled()))
     return 0
 

@@ -10,12 +10,18 @@ from bench import whole_job as wj
 # 2 prompts x one umT5-XXL encode of 512 tokens, worked by hand: per layer
 # 2 * 512 * (4 * 4096 * 4096 + 3 * 4096 * 10240) + 4 * 512**2 * 4096 = 201,863,462,912; 24 layers
 UMT5_TWO_PROMPTS = 2 * 24 * 201_863_462_912
-I2V_VAE_FLOPS = 3.0e14
+I2V_VAE_FLOPS, S2V_REF_FLOPS = 3.0e14, 5.0e12
+# wav2vec2-large on 5 s of 16 kHz speech, worked by hand: 249 frames; per layer
+# 2 * 249 * (4 * 1024**2 + 2 * 1024 * 4096) + 4 * 249**2 * 1024 = 6.520e9, 24 layers 156.5e9;
+# the conv front end 24.6e9 (512 channels: kernel 10 stride 5, four of kernel 3 stride 2, two of
+# kernel 2 stride 2), its positional conv (kernel 128, 16 groups) 4.2e9, the projection 0.3e9
+WAV2VEC2_5S = 185.5e9
 HOST = {"date": "2026-01-01", "cpu": "test CPU", "threads": 2, "bf16_native": [],
         "loadavg": [0.5, 0.5, 0.5], "vae_probe": "5x128x224", "tiny_stage1_s": 2.0,
-        "tiny_model": "wan-tiny-trained", "vae_flops": {"wan2.1-vae 81x720x1280": I2V_VAE_FLOPS},
+        "tiny_model": "wan-tiny-trained", "vae_flops": {"wan2.1-vae 81x720x1280": I2V_VAE_FLOPS,
+                                                        "wan2.1-vae 1x704x1280": S2V_REF_FLOPS},
         "rates_gflops": {"umt5": 20.0, "qwen": 25.0, "vae": 50.0, "matmul_bf16": 20.0,
-                         "matmul_fp32": 80.0}}
+                         "matmul_fp32": 80.0, "wav2vec2": 40.0}}
 
 
 def _stage2(model, topology, size, steps, off, on, compile_s):
@@ -33,7 +39,7 @@ def rows(tmp_path, monkeypatch):
         "ti2v-alt": _stage2("wan2.2-ti2v-5b", "v6e:2x4", [704, 1280, 121], 50, 99.0, 99.0, 1.0),
         "a14b": _stage2("wan2.2-i2v-a14b", "v6e:2x4", [720, 1280, 81], 40, 70.0, 35.0, 130.0),
         "vae-ti2v": {"roofline_seconds": 0.5, "compile_seconds": 300.0},
-        # speech to video: its stage 1 (speech and image encoders) is not modelled
+        # speech to video: the speech and reference-image encoders beside the text encoder
         "s2v": _stage2("wan2.2-s2v-14b", "v6e:2x4", [704, 1280, 80], 40, 80.0, 40.0, 300.0),
     }
     for name, r in reports.items():
@@ -48,15 +54,28 @@ def _figures(row):
     return {k: wj.Figure(**v) for k, v in row["figures"].items()}
 
 
-def test_a_pipeline_whose_stage1_is_not_modelled_is_named_not_estimated(rows, tmp_path):
-    assert "s2v" not in [r["row"] for r in rows] and wj.unmodelled(tmp_path) == ["s2v"]
-    text = "\n".join(wj.page(rows, HOST, wj.unmodelled(tmp_path)))
+def test_a_pipeline_whose_stage1_is_not_modelled_is_named_not_estimated(tmp_path, monkeypatch):
+    monkeypatch.setattr(wj, "STAGE1_TASKS", {**wj.STAGE1_TASKS, "wan": ("t2v", "ti2v", "i2v")})
+    (tmp_path / "s2v.json").write_text(json.dumps(
+        _stage2("wan2.2-s2v-14b", "v6e:2x4", [704, 1280, 80], 40, 80.0, 40.0, 300.0)))
+    monkeypatch.setattr(wj, "ROWS", [("s2v", "")])
+    assert wj.job_rows(HOST, tmp_path) == [] and wj.unmodelled(tmp_path) == ["s2v"]
+    text = "\n".join(wj.page([], HOST, wj.unmodelled(tmp_path)))
     assert "Not on this page: s2v" in text
 
 
+def test_speech_to_video_stage1_counts_speech_and_reference_image(rows):
+    assert wj.wav2vec2_flops(5.0) == pytest.approx(WAV2VEC2_5S, rel=0.005)
+    s2v = next(r for r in rows if r["row"] == "s2v")
+    assert [w["rate"] for w in s2v["stage1_work"]] == ["umt5", "wav2vec2", "vae"]
+    assert "5 s of speech" in s2v["stage1_work"][1]["what"]  # 80 frames at 16 fps
+    assert _figures(s2v)["stage1"].value == pytest.approx(
+        (UMT5_TWO_PROMPTS / 20e9 + wj.wav2vec2_flops(5.0) / 40e9 + S2V_REF_FLOPS / 50e9) / 90)
+
+
 def test_rows_kinds_and_totals(rows):
-    assert [r["row"] for r in rows] == ["ti2v", "a14b"]
-    ti2v, a14b = (_figures(r) for r in rows)
+    assert [r["row"] for r in rows] == ["ti2v", "a14b", "s2v"]
+    ti2v, a14b, _ = (_figures(r) for r in rows)
     kinds = {"stage1": "estimate", "stage2_uncached": "roofline", "stage2_cached": "roofline",
              "stage3": "roofline", "compile_cold": "measured", "compile_warm": "estimate",
              "total_uncached": "estimate", "total_cached": "estimate"}
@@ -108,3 +127,16 @@ def test_every_anchor_and_host_is_a_pipeline_and_slice_of_the_table():
     slices = {(args.split()[1], args.split()[3]) for _, args in ROWS}
     assert {(a.model, a.topology) for a in wj.ANCHORS} <= slices
     assert set(wj.HOSTS) <= {topology for _, topology in slices}
+
+
+def test_hunyuan_image_to_video_stage1_counts_siglip_and_its_vae():
+    # SigLIP so400m on one 384 x 384 image, by hand: 729 patches; per layer
+    # 2 * 729 * (4 * 1152**2 + 2 * 1152 * 4304) + 4 * 729**2 * 1152 = 24.65e9, 27 layers 665.5e9,
+    # the patch embedding 1.0e9, the pooling head's keys and values over 729 tokens ~3.9e9
+    assert wj.siglip_flops() == pytest.approx(670.4e9, rel=0.005)
+    asked = []
+    report = _stage2("hunyuanvideo-1.5-720p_i2v_distilled", "v6e:2x4", [720, 1280, 121], 50, 1, 1, 1)
+    work = wj.stage1_work(report, lambda *size: asked.append(size) or 7.0)
+    assert [w.rate for w in work] == ["qwen", "siglip", "hy_vae"]
+    assert work[0].what.startswith("Qwen2.5-VL-7B text bf16, 1 x 1108 tokens")  # no CFG: 1 prompt
+    assert asked == [(wj.HY_VAE, 1, 720, 1280)] and work[2].flops == 7.0
