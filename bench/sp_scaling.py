@@ -99,7 +99,6 @@ def page(title: str, rows: list[dict], cmd: str) -> list[str]:
     ]
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=DEFAULTS["steps"])

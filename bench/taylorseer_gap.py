@@ -211,7 +211,6 @@ def page(rows, agreement_db: float, *, cmd: str, prompts: int, steps: int, weigh
     ]
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=DEFAULTS["prompts"])
