@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from bench.fixtures.videos import COLORS, DIRECTIONS, SHAPES  # noqa: E402
 from cache.config import TECHNIQUES  # noqa: E402
 from commands.generate import DECODE, DONE, ENCODE, SAMPLE  # noqa: E402
+from sampling.journal import atomic_write  # noqa: E402
 from sampling.stage_io import VIDEO  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,8 +233,7 @@ def main(argv=None) -> int:
         png = os.path.splitext(args.out)[0] + ".png"
         plot(whole, png)
         text = page(n, args.seed, whole, killed, identical, png)
-        with open(args.out, "w") as f:
-            f.write(text)
+        atomic_write(args.out, lambda f: f.write(text))
         print(text)
         return 0 if identical else 1
     finally:

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench import pareto_workload as pw
-from bench.page import machine  # noqa: E402
+from bench.page import machine, write_page  # noqa: E402
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from cache.manager import CacheManager  # noqa: E402
 from cache.residuals import extrapolation_weights  # noqa: E402
@@ -38,9 +38,7 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "forec
 
 def write_report(path: str, lines: list[str]) -> int:
     """Write a report's lines to `path` and say where; main's exit status."""
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {os.path.relpath(path)}")
+    write_page(path, lines)
     return 0
 
 

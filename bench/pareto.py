@@ -557,9 +557,8 @@ def main(argv=None) -> int:
         _write_json(os.path.join(args.out, f"traces_{fam.key}.json"
                                  + (".gz" if fam.trained else "")), traces)
     write_csv(rows, os.path.join(args.out, "results.csv"))
-    with open(os.path.join(args.out, "table.md"), "w") as f:
-        for fam in fams:
-            f.write(f"## {fam.title}\n\n" + "\n".join(table(rows, fam.key)) + "\n\n")
+    atomic_write(os.path.join(args.out, "table.md"), lambda f: f.write("".join(
+        f"## {fam.title}\n\n" + "\n".join(table(rows, fam.key)) + "\n\n" for fam in fams)))
     have_plot = plot(rows, fams, os.path.join(args.out, "pareto.png"))
     if args.weights == "trained" and args.follow:
         plot_follow(rows, fams, os.path.join(args.out, "follow.png"))

@@ -24,6 +24,7 @@ from bench.pareto_report import (
     table,
 )
 from bench.pareto_workload import BUDGET_SEEDS, INIT, UNSEEN_SEEDS
+from sampling.journal import atomic_write
 
 GATED = "gated"  # in a curve's name: reuse decided by the forecast's own error (issue 17)
 STEP_WEIGHTED = "ours FBCache +forecast1 gated step-weighted"
@@ -307,5 +308,4 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
               "calibration ratios, the budget's chosen configuration and its bound), "
               "budget_profile_<family>.json (budgeted mode's calibration: every "
               "configuration's rel L2 and computed fraction on each held-out draw)."]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    atomic_write(path, lambda fh: fh.write("\n".join(lines) + "\n"))

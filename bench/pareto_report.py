@@ -10,6 +10,7 @@ import re
 from bench.page import versions
 from bench.pareto_workload import BUDGET_SEEDS, SEED, UNSEEN_SEEDS
 from sampling.fidelity import fidelity
+from sampling.journal import atomic_write
 
 FOLLOW = tuple(f"follow_{k}" for k in ("foreground", "background", "direction", "shape"))
 COLUMNS = ("family", "method", "impl", "setting", "computed_fraction", "cpu_s", "wall_s",
@@ -206,11 +207,14 @@ def _summary(values, fmt, unit=""):
 
 def write_csv(rows, path):
     import csv
-    with open(path, "w", newline="") as f:
+
+    def write(f):
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for r in rows:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+
+    atomic_write(path, write)
 
 
 def table(rows, family) -> list[str]:

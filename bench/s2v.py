@@ -42,6 +42,7 @@ from modules import wan_s2v  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.clips import sample_clips  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
+from sampling.journal import atomic_write  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from torch_backend.backend import TorchBackend  # noqa: E402
@@ -129,10 +130,10 @@ def main():
                 lines.append(row)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write("# Wan2.2 S2V: caching with the audio guard on and off\n\n"
-                    f"`python bench/s2v.py --steps {args.steps} --blocks {args.blocks} --clips "
-                    f"{args.clips}` ({time.strftime('%Y-%m-%d')})\n\n" + "\n".join(lines) + "\n")
+        text = ("# Wan2.2 S2V: caching with the audio guard on and off\n\n"
+                f"`python bench/s2v.py --steps {args.steps} --blocks {args.blocks} --clips "
+                f"{args.clips}` ({time.strftime('%Y-%m-%d')})\n\n" + "\n".join(lines) + "\n")
+        atomic_write(args.out, lambda f: f.write(text))
         print(f"\nwrote {args.out}")
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.page import write_page  # noqa: E402
 from bench.pareto_report import mean_psnr  # noqa: E402
 from bench.pareto_workload import (  # noqa: E402
     BUDGET_SEEDS,
@@ -137,10 +138,8 @@ def main(argv=None) -> int:
     for key in wanted:
         body, _ = family_rows(fams[key], args.prompts)
         lines += body
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    write_page(args.out, lines)
     return 0
 
 

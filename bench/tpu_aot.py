@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from sampling.journal import atomic_write  # noqa: E402
 from tpu.attention import BLOCK_Q, BLOCKS_BY_KIND  # noqa: E402
 from tpu.topology import CHIPS  # noqa: E402
 from tpu.vae_aot import dtype_label, strips_label  # noqa: E402  (decode cells, as it prints them)
@@ -223,13 +224,13 @@ def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
                          cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{name}: {module} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    (OUT / f"{name}.txt").write_text(out.stdout)
+    atomic_write(str(OUT / f"{name}.txt"), lambda f: f.write(out.stdout))
     print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
     # compile seconds mean little without the machine's state: the page prints this record
     report = json.loads(path.read_text())
     report[COMPILED] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
                         "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)}
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    atomic_write(str(path), lambda f: f.write(json.dumps(report, indent=1) + "\n"))
     return report
 
 
@@ -654,7 +655,7 @@ def main():
     lines += decode_lines(lambda name: compiles(name, False), args.rerun)
     names = [name for name, _ in ROWS] + [name for name, *_ in DECODE_ROWS]
     lines += [""] * (lines[-1] != "") + compiled_lines(names)
-    (ROOT / "bench" / "results" / "tpu_aot.md").write_text("\n".join(lines))
+    atomic_write(str(ROOT / "bench" / "results" / "tpu_aot.md"), lambda f: f.write("\n".join(lines)))
     print("\n".join(lines))
 
 

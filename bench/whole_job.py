@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.tpu_aot import DECODE_ROWS, OUT, ROWS, read_report  # noqa: E402
+from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 
 PAGE = ROOT / "bench" / "results" / "whole_job.md"
@@ -671,8 +672,9 @@ def vae_sizes(folder: Path = OUT) -> list[tuple[str, int, int, int]]:
 def write(rows: list[dict], host: dict, page_path: Path = PAGE, skipped: list[str] = ()) -> str:
     text = "\n".join(page(rows, host, skipped)) + "\n"
     page_path.parent.mkdir(parents=True, exist_ok=True)
-    page_path.write_text(text)
-    page_path.with_suffix(".json").write_text(json.dumps({"host": host, "rows": rows}, indent=1) + "\n")
+    atomic_write(str(page_path), lambda f: f.write(text))
+    data = json.dumps({"host": host, "rows": rows}, indent=1) + "\n"
+    atomic_write(str(page_path.with_suffix(".json")), lambda f: f.write(data))
     return text
 
 
