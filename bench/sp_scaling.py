@@ -43,8 +43,12 @@ HIDDEN, HEADS = 64, 8  # the tiny-deep model's width and attention heads
 # the cached run's DeepCache: computed from step DEEPCACHE_START every DEEPCACHE_INTERVAL steps,
 # up to DEEPCACHE_END_BEFORE steps before the last
 DEEPCACHE_START, DEEPCACHE_INTERVAL, DEEPCACHE_END_BEFORE = 2, 3, 2
-FOOTER = ("(a step is two calls with CFG; the probe's signal reduction is 1 of these when the gate reads "
-          "signals; DeepCache reads none)")
+# psums the probe traces for the gate's signals, when it reads any: the layout's own count
+# (`JaxSequenceLayout.signal_collectives`), checked by tests/test_sequence_parallel_jax.py; the
+# cached runs here are DeepCache, which reads none, so the bench cannot count it itself
+SIGNAL_PSUMS_PER_PROBE = 1
+FOOTER = (f"(a step is two calls with CFG; the probe's signal reduction is {SIGNAL_PSUMS_PER_PROBE} "
+          "of these when the gate reads signals; DeepCache reads none)")
 
 
 def per_call_collectives(backend, sample, pipe, shape):
