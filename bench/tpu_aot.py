@@ -481,7 +481,7 @@ def compile_paragraph() -> list[str]:
         again = [n for n, _, b in pairs if b["seconds"].get("traffic") is not None]
         text += (" The `a -> b` rows were compiled unrolled and then scanned, one after the other on "
                  "an otherwise idle machine"
-                 + (f"; {' and '.join(again)} were compiled scanned again later that day, idle too, "
+                 + (f"; {' and '.join(again)} were compiled scanned again later, idle too, "
                     "to count their HBM traffic (their reports and figures are from that compile), so "
                     "their two scanned compiles are not compared here" if again else "")
                  + ". " + scan_figures(pairs))
