@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from bench import stage1_work as s1
 from bench import whole_job as wj
 
 # 2 prompts x one umT5-XXL encode of 512 tokens, worked by hand: per layer
@@ -55,7 +56,7 @@ def _figures(row):
 
 
 def test_a_pipeline_whose_stage1_is_not_modelled_is_named_not_estimated(tmp_path, monkeypatch):
-    monkeypatch.setattr(wj, "STAGE1_TASKS", {**wj.STAGE1_TASKS, "wan": ("t2v", "ti2v", "i2v")})
+    monkeypatch.setattr(s1, "STAGE1_TASKS", {**s1.STAGE1_TASKS, "wan": ("t2v", "ti2v", "i2v")})
     (tmp_path / "s2v.json").write_text(json.dumps(
         _stage2("wan2.2-s2v-14b", "v6e:2x4", [704, 1280, 80], 40, 80.0, 40.0, 300.0)))
     monkeypatch.setattr(wj, "ROWS", [("s2v", "")])
@@ -65,12 +66,12 @@ def test_a_pipeline_whose_stage1_is_not_modelled_is_named_not_estimated(tmp_path
 
 
 def test_speech_to_video_stage1_counts_speech_and_reference_image(rows):
-    assert wj.wav2vec2_flops(5.0) == pytest.approx(WAV2VEC2_5S, rel=0.005)
+    assert s1.wav2vec2_flops(5.0) == pytest.approx(WAV2VEC2_5S, rel=0.005)
     s2v = next(r for r in rows if r["row"] == "s2v")
     assert [w["rate"] for w in s2v["stage1_work"]] == ["umt5", "wav2vec2", "vae"]
     assert "5 s of speech" in s2v["stage1_work"][1]["what"]  # 80 frames at 16 fps
     assert _figures(s2v)["stage1"].value == pytest.approx(
-        (UMT5_TWO_PROMPTS / 20e9 + wj.wav2vec2_flops(5.0) / 40e9 + S2V_REF_FLOPS / 50e9) / 90)
+        (UMT5_TWO_PROMPTS / 20e9 + s1.wav2vec2_flops(5.0) / 40e9 + S2V_REF_FLOPS / 50e9) / 90)
 
 
 def test_rows_kinds_and_totals(rows):
@@ -133,10 +134,10 @@ def test_hunyuan_image_to_video_stage1_counts_siglip_and_its_vae():
     # SigLIP so400m on one 384 x 384 image, by hand: 729 patches; per layer
     # 2 * 729 * (4 * 1152**2 + 2 * 1152 * 4304) + 4 * 729**2 * 1152 = 24.65e9, 27 layers 665.5e9,
     # the patch embedding 1.0e9, the pooling head's keys and values over 729 tokens ~3.9e9
-    assert wj.siglip_flops() == pytest.approx(670.4e9, rel=0.005)
+    assert s1.siglip_flops() == pytest.approx(670.4e9, rel=0.005)
     asked = []
     report = _stage2("hunyuanvideo-1.5-720p_i2v_distilled", "v6e:2x4", [720, 1280, 121], 50, 1, 1, 1)
-    work = wj.stage1_work(report, lambda *size: asked.append(size) or 7.0)
+    work = s1.stage1_work(report, lambda *size: asked.append(size) or 7.0)
     assert [w.rate for w in work] == ["qwen", "siglip", "hy_vae"]
     assert work[0].what.startswith("Qwen2.5-VL-7B text bf16, 1 x 1108 tokens")  # no CFG: 1 prompt
-    assert asked == [(wj.HY_VAE, 1, 720, 1280)] and work[2].flops == 7.0
+    assert asked == [(s1.HY_VAE, 1, 720, 1280)] and work[2].flops == 7.0
