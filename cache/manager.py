@@ -500,6 +500,7 @@ class CacheManager:
                    needs_signals=list(self.config.needs_signals))
         return out
 
+
 def _combine(rels: list[float | None], how: str) -> float | None:
     if len(rels) == 1 or None in rels:
         return rels[0] if len(rels) == 1 else None

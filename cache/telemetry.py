@@ -144,7 +144,6 @@ class Telemetry:
         return out
 
 
-
 def trace_csv(f, trace) -> None:
     """The per-call trace as CSV into an open text file, one row per model call (the gate writes
     no file: a command writes it, through its own atomic writer)."""
