@@ -33,7 +33,7 @@ from modules import hunyuan_video15  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
-from sharding.jax_sp import make_mesh  # noqa: E402
+from sharding.jax_sp import SIGNAL_PSUMS_PER_PROBE, make_mesh  # noqa: E402
 from tests.sp_jax_check import collectives  # noqa: E402
 from tpu.backend import JaxBackend  # noqa: E402
 
@@ -43,10 +43,8 @@ HIDDEN, HEADS = 64, 8  # the tiny-deep model's width and attention heads
 # the cached run's DeepCache: computed from step DEEPCACHE_START every DEEPCACHE_INTERVAL steps,
 # up to DEEPCACHE_END_BEFORE steps before the last
 DEEPCACHE_START, DEEPCACHE_INTERVAL, DEEPCACHE_END_BEFORE = 2, 3, 2
-# psums the probe traces for the gate's signals, when it reads any: the layout's own count
-# (`JaxSequenceLayout.signal_collectives`), checked by tests/test_sequence_parallel_jax.py; the
-# cached runs here are DeepCache, which reads none, so the bench cannot count it itself
-SIGNAL_PSUMS_PER_PROBE = 1
+# the cached runs here are DeepCache, which reads no signals, so the signal psum is the
+# layout's stated count (sharding.jax_sp, checked against the traced count by its test)
 FOOTER = (f"(a step is two calls with CFG; the probe's signal reduction is {SIGNAL_PSUMS_PER_PROBE} "
           "of these when the gate reads signals; DeepCache reads none)")
 

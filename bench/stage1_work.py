@@ -58,13 +58,9 @@ def qwen_flops(tokens: int) -> float:
 def siglip_flops(layers: int = SIGLIP["num_hidden_layers"]) -> float:
     """One SigLIP image encode (`layers` of its layers), counted on the meta device."""
     import torch
-    from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    config = SiglipVisionConfig(**{**SIGLIP, "num_hidden_layers": layers})
-    with torch.device("meta"):
-        model = SiglipVisionModel(config).eval()
-    return _counted(lambda: model(pixel_values=torch.zeros(1, 3, config.image_size, config.image_size,
-                                                           device="meta")))
+    model, size = siglip_model(layers, "meta"), SIGLIP["image_size"]
+    return _counted(lambda: model(pixel_values=torch.zeros(1, 3, size, size, device="meta")))
 
 
 @functools.cache
@@ -72,10 +68,8 @@ def wav2vec2_flops(seconds: float, layers: int = WAV2VEC2["num_hidden_layers"]) 
     """One wav2vec2 pass over `seconds` of 16 kHz speech (every hidden state asked, as
     encoders/wan_audio.py does), counted on the meta device."""
     import torch
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
 
-    with torch.device("meta"):
-        model = Wav2Vec2Model(Wav2Vec2Config(**{**WAV2VEC2, "num_hidden_layers": layers})).eval()
+    model = wav2vec2_model(layers, "meta")
     samples = torch.zeros(1, round(seconds * AUDIO_HZ), device="meta")
     return _counted(lambda: model(samples, output_hidden_states=True))
 
@@ -87,6 +81,24 @@ def _counted(call) -> float:
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         call()
     return float(counter.get_total_flops())
+
+
+def siglip_model(layers: int, device: str):
+    """SigLIP so400m at its real width with `layers` layers, random weights, on `device`."""
+    import torch
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    with torch.device(device):
+        return SiglipVisionModel(SiglipVisionConfig(**{**SIGLIP, "num_hidden_layers": layers})).eval()
+
+
+def wav2vec2_model(layers: int, device: str):
+    """wav2vec2-large at its real width with `layers` layers, random weights, on `device`."""
+    import torch
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    with torch.device(device):
+        return Wav2Vec2Model(Wav2Vec2Config(**{**WAV2VEC2, "num_hidden_layers": layers})).eval()
 
 
 def build_vae(spec_name: str, device: str):

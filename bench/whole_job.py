@@ -51,11 +51,13 @@ from bench.stage1_work import (  # noqa: E402
     modelled,
     qwen_flops,
     siglip_flops,
+    siglip_model,
     stage1_work,
     umt5_flops,
     vae_encoder_flops,
     vae_key,
     wav2vec2_flops,
+    wav2vec2_model,
 )
 from bench.tpu_aot import DECODE_ROWS, OUT, ROWS, read_report  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
@@ -457,19 +459,16 @@ def _hy_vae_encoder():
 
 def _siglip_layer():
     import torch
-    from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    config = SiglipVisionConfig(**{**SIGLIP, "num_hidden_layers": 1})
-    model = SiglipVisionModel(config).bfloat16().eval()
-    pixels = torch.randn(1, 3, config.image_size, config.image_size, dtype=torch.bfloat16)
+    model, size = siglip_model(1, "cpu").bfloat16(), SIGLIP["image_size"]
+    pixels = torch.randn(1, 3, size, size, dtype=torch.bfloat16)
     return siglip_flops(layers=1), lambda: model(pixel_values=pixels)
 
 
 def _wav2vec2():
     import torch
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
 
-    model = Wav2Vec2Model(Wav2Vec2Config(**WAV2VEC2)).eval()
+    model = wav2vec2_model(WAV2VEC2["num_hidden_layers"], "cpu")
     speech = torch.randn(1, WAV2VEC2_PROBE_SECONDS * AUDIO_HZ)
     return (wav2vec2_flops(WAV2VEC2_PROBE_SECONDS),
             lambda: model(speech, output_hidden_states=True))

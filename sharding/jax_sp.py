@@ -37,6 +37,9 @@ from .layout import Layout
 _interop = import_torchax().interop
 AXES = ("cfg", "sp")
 WEIGHT_SHARDINGS = ("replicated", "fsdp")
+# `token_sums` stacks every signal column into one psum: a probe that reads signals adds this
+# many collectives (the layout counts what it traced in `signal_collectives`)
+SIGNAL_PSUMS_PER_PROBE = 1
 
 
 def default_weights(mesh) -> str:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from sharding.jax_sp import SIGNAL_PSUMS_PER_PROBE
+
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("hunyuanvideo-tiny", "wan-tiny-i2v", "wan-tiny-s2v")
 
@@ -68,7 +70,7 @@ def test_sharded_runs_equal_one_device_with_the_same_decisions_and_one_all_reduc
     # one all-reduce per probe for every signal
     assert f["probe_signal_columns"] >= 2  # TeaCache and FBCache (tensor metric, with saliency)
     assert f["probe_collectives"].get("all-reduce") == 1
-    assert f["traced_signal_psums"] == 1 == _stated_signal_psums()
+    assert f["traced_signal_psums"] == 1 == SIGNAL_PSUMS_PER_PROBE  # as the layout states
     # the blocks themselves talk through Ulysses all-to-all or gathered K/V, never all-reduce
     assert "all-reduce" not in f["middle_collectives"]
     assert f["middle_collectives"].get("all-to-all", 0) + f["middle_collectives"].get("all-gather", 0) > 0
@@ -104,13 +106,3 @@ def test_cli_runs_sequence_and_cfg_parallel_and_refuses_missing_devices(tmp_path
     assert main(["--cfg_parallel", "--cfg_mode", "separate", "--no_progress", "--output_dir", "out"]) == 2
     assert "--cfg_parallel" in capsys.readouterr().err
     assert list(bad.iterdir()) == []
-
-
-def _stated_signal_psums() -> int:
-    """The count bench/sp_scaling.py's page states, read from its source: importing the bench
-    would set XLA_FLAGS in this process."""
-    import ast
-
-    tree = ast.parse((Path(__file__).parents[1] / "bench" / "sp_scaling.py").read_text())
-    return next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                and [getattr(t, "id", None) for t in node.targets] == ["SIGNAL_PSUMS_PER_PROBE"])
