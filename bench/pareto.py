@@ -487,6 +487,22 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
     return rows, traces, facts
 
 
+def _run_family_job(family: Family, args):
+    torch.set_num_threads(args.threads)  # a fresh process starts with torch's default
+    return run_family(family, args)
+
+
+def run_families(fams: list[Family], args) -> list[tuple[list[dict], dict, dict]]:
+    """run_family for each family, in order; with --jobs > 1 in that many fresh processes (spawn:
+    nothing of this process's torch state is forked), their output lines interleaved."""
+    if args.jobs == 1 or len(fams) == 1:
+        return [run_family(fam, args) for fam in fams]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(min(args.jobs, len(fams)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_run_family_job, fams, [args] * len(fams)))
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -513,11 +529,17 @@ def main(argv=None) -> int:
                     "further held-out model, or one trained elsewhere")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: steadier timings on a shared machine)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="families run side by side in this many processes, each with --threads "
+                         "torch threads (CPU seconds are per process, so timings stay comparable "
+                         "while jobs x threads <= cores); 1: one after the other")
     args = ap.parse_args(argv)
     args.command = "python bench/pareto.py" + ("" if argv is None and len(sys.argv) == 1
                                                else " " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.quick and args.steps is None:
         args.steps = 20
+    if args.jobs < 1 or args.threads < 1:
+        ap.error(f"--jobs {args.jobs} --threads {args.threads}: expected both 1 or more")
     if not 0 <= args.follow <= len(FOLLOW_SEEDS):
         ap.error(f"--follow: {args.follow}; expected 0 to {len(FOLLOW_SEEDS)}")
     if args.out is None:
@@ -551,8 +573,7 @@ def main(argv=None) -> int:
           "of the same implementation's uncached loop over the run's; PSNR, rel L2, rel/disp "
           "against its uncached latents")
     rows, facts = [], {}
-    for fam in fams:
-        fam_rows, traces, facts[fam.key] = run_family(fam, args)
+    for fam, (fam_rows, traces, facts[fam.key]) in zip(fams, run_families(fams, args), strict=True):
         rows += fam_rows
         _write_json(os.path.join(args.out, f"traces_{fam.key}.json"
                                  + (".gz" if fam.trained else "")), traces)
