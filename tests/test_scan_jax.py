@@ -38,7 +38,8 @@ def test_scanned_middle_gives_the_unrolled_latents_bit_for_bit(name, config):
 
 
 def _runs(model, start, stop):
-    return [(r.start, r.stop) if isinstance(r, Run) else r for r in block_runs(model, start, stop)]
+    return [(r.start, r.stop) + ((r.period,) if r.period > 1 else ()) if isinstance(r, Run) else r
+            for r in block_runs(model, start, stop)]
 
 
 def test_real_architectures_scan_their_identical_blocks():
@@ -47,19 +48,28 @@ def test_real_architectures_scan_their_identical_blocks():
     wan = build_model("wan2.2-ti2v-5b", meta=True)
     assert _runs(wan, 1, wan.num_blocks - 1) == [(1, wan.num_blocks - 1)]
     # Wan2.2 S2V: a block followed by an audio injector holds its parameters, so it differs
-    # from its neighbours and runs unrolled; the blocks between injections are scanned
+    # from its neighbours; injections after blocks 0, 4, ..., 24, then 27, ..., 39 make a period
+    # of 4 blocks repeated 6 times and one of 3 repeated 5 times
     s2v = build_model("wan2.2-s2v-14b", meta=True)
-    inject = s2v.config.audio_inject_layers
-    items = _runs(s2v, 0, s2v.num_blocks - 1)
-    assert [i for i in items if isinstance(i, int)] == [b for b in inject if b < s2v.num_blocks - 1]
-    covered = sorted(b for i in items for b in ([i] if isinstance(i, int) else range(*i)))
-    assert covered == list(range(s2v.num_blocks - 1))
+    assert s2v.config.audio_inject_layers == (0, 4, 8, 12, 16, 20, 24, 27, 30, 33, 36, 39)
+    assert _runs(s2v, 0, s2v.num_blocks - 1) == [(0, 24, 4), (24, 39, 3)]
+    # TeaCache reads block 0 in its probe: it stays unrolled and the periods shift by one
+    assert [r if isinstance(r, int) else (r.start, r.stop, r.period) for r in
+            block_runs(s2v, 0, s2v.num_blocks - 1, unrolled=frozenset({0}))] == \
+        [0, (1, 25, 4), (25, 37, 3), (37, 39, 1)]
+    hy_ = block_runs(hy, 0, hy.num_blocks - 1)[0]
+    assert hy_.period == 1 and hy_.groups == hy.num_blocks - 1
 
 
-def test_s2v_scans_the_blocks_between_its_audio_injections():
-    """Wan S2V: an audio injector after a block ends a run, so only the blocks between
-    injections roll; clip after clip, the scanned middle gives the unrolled latents bit for bit
-    and compiles nothing in the loop."""
+@pytest.mark.parametrize("layers,inject,runs", [
+    (6, (0, 4), [(1, 4, 1)]),  # middle [0, 5): block 0 injects, 1-3 do not, 4 injects
+    (9, (0, 2, 4, 6, 8), [(0, 8, 2)]),  # middle [0, 8): inject, plain, four times
+], ids=["between", "periodic"])
+def test_s2v_scans_its_blocks_around_the_audio_injections(layers, inject, runs):
+    """Wan S2V: an audio injector after a block makes that block differ from its neighbours, so
+    the blocks between injections roll, or, where injections repeat, the period of blocks between
+    them rolls as one loop body; clip after clip, the scanned middle gives the unrolled latents
+    bit for bit and compiles nothing in the loop."""
     import dataclasses
 
     from modules.wan_s2v import CONFIGS
@@ -69,7 +79,8 @@ def test_s2v_scans_the_blocks_between_its_audio_injections():
     from tests.model_inputs import random_model
 
     base = get_pipeline("wan-tiny-s2v")
-    config = dataclasses.replace(CONFIGS["wan-tiny-s2v"], num_layers=6, audio_inject_layers=(0, 4))
+    config = dataclasses.replace(CONFIGS["wan-tiny-s2v"], num_layers=layers,
+                                 audio_inject_layers=inject)
 
     class Deeper(type(base)):  # the tiny S2V pipeline on a deeper stack
         @property
@@ -88,9 +99,8 @@ def test_s2v_scans_the_blocks_between_its_audio_injections():
         clips = sample_clips(backend, gate, pipe, tensors, shape, seed=0, solver=pipe.solver,
                              steps=6, shift=pipe.shift)
         out[scan] = (clips, backend)
-    runs = out[True][1].runs
-    # middle [0, 5): block 0 injects, blocks 1-3 do not, block 4 injects
-    assert [(r.start, r.stop) for r in runs] == [(1, 4)] and out[False][1].runs == []
+    assert [(r.start, r.stop, r.period) for r in out[True][1].runs] == runs
+    assert out[False][1].runs == []
     assert torch.equal(out[True][0].latents, out[False][0].latents)
     trajectories = out[True][0].trajectories
     assert len(trajectories) == 2 and all(t.loop_compiles.lowered == 0 for t in trajectories)

@@ -194,7 +194,7 @@ def run(args) -> dict:
         "model": pipe.name, "topology": args.topology, "chip": dataclasses.asdict(chip),
         "chips": len(devices), "sp": sp, "cfg": cfg, "weight_sharding": backend.weight_sharding,
         "swap_experts": args.swap_experts, "attention": args.attention, "dtype": args.dtype,
-        "scanned_runs": [[r.start, r.stop] for r in backend.runs],
+        "scanned_runs": [[r.start, r.stop, r.period] for r in backend.runs],
         "size": list(size), "latent_shape": list(latent_shape), "tokens": pipe.tokens(latent_shape),
         "steps": steps, "solver": solver, "cache": {"modes": list(config.modes),
                                                     "probe_blocks": plan.fn_blocks,

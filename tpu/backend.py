@@ -200,16 +200,15 @@ class JaxBackend:
 
     def _weight_specs(self, model):
         """(key -> WeightSpec, stacked key -> its members): every parameter by name, except those
-        of a scanned run, which come stacked per run (`scan.Run.stacked`)."""
+        of a scanned run, which come stacked per run (`scan.Run.stacks`)."""
         params = dict(model.named_parameters())
         specs, stacks = {}, {}
         for run in self.runs:
-            for k, name in enumerate(run.names[0]):
-                members = tuple(names[k] for names in run.names)
-                p = params[name]
-                specs[run.stacked(k)] = loading.WeightSpec(
-                    (len(members), *p.shape), p.dtype, self._stacked_sharding(name, tuple(p.shape)))
-                stacks[run.stacked(k)] = members
+            for key, members in run.stacks():
+                p = params[members[0]]
+                specs[key] = loading.WeightSpec((len(members), *p.shape), p.dtype,
+                                                self._stacked_sharding(members[0], tuple(p.shape)))
+                stacks[key] = members
         in_runs = set().union(*(run.members for run in self.runs))
         for name, p in params.items():
             if name not in in_runs:
@@ -219,7 +218,7 @@ class JaxBackend:
 
     def _weights(self, model, checkpoint=None):
         """One expert's weights on the devices, by parameter name (a scanned run's stacked, by
-        `scan.Run.stacked`): read from `checkpoint`, or from the model's own host tensors."""
+        `scan.Run.stacks`): read from `checkpoint`, or from the model's own host tensors."""
         specs, stacks = self._weight_specs(model)
         read = checkpoint.read if checkpoint is not None else \
             loading.host_rows(dict(model.named_parameters()))
@@ -292,7 +291,7 @@ class JaxBackend:
         return jax.jit(self.torchax.interop.jax_view(traced)), names + stacked
 
     def _scanned_middle(self, stage):
-        """The middle stage's forward with each run of identical blocks as one scan."""
+        """The middle stage's forward with each run of repeating blocks as one scan."""
         model = stage.model
 
         def forward(stacked, hidden, ctx):
@@ -301,7 +300,7 @@ class JaxBackend:
             for item in self.middle_blocks:
                 if isinstance(item, scan.Run):
                     state = scan.scan_run(model, item, [stacked[f"model.{k}"] for k in item.keys], state,
-                                          lambda s, i=item.start: stage.block_step(i, s, local))
+                                          lambda i, s: stage.block_step(i, s, local))
                 else:
                     state = stage.block_step(item, state, local)
             return stage.finish(state, hidden, local)
