@@ -472,8 +472,10 @@ def compile_paragraph() -> list[str]:
     """The page's paragraph on compile seconds and the scan, its figures from the reports."""
     text = ("Compile s: the whole run's programs, the middle program's in brackets. `a -> b`: a with "
             "the middle stage's blocks unrolled (the reports kept under `tpu_aot/unrolled/`; `python "
-            "-m tpu.aot ... --unrolled` compiles that way), b with each run of identical blocks as one "
-            "`jax.lax.scan` (tpu/scan.py, the default). Costs of a loop count its body once per "
+            "-m tpu.aot ... --unrolled` compiles that way), b with each run of repeating blocks as one "
+            "`jax.lax.scan` (tpu/scan.py, the default; a run repeats one block, or a period of "
+            "blocks: Wan S2V's audio injections every 4th and then every 3rd block make two runs of "
+            "periods 4 and 3). Costs of a loop count its body once per "
             "iteration. Compile seconds depend on what else this shared machine runs: compare a "
             "row's middle with its tail, which the scan does not change.")
     pairs = _scan_pairs()
