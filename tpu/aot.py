@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive caching (TeaCache/FBCache): the share of steps assumed computed, "
                         "for the run estimate")
     p.add_argument("--unrolled", action="store_true", help="compile the middle stage's blocks "
-                   "unrolled, not as a loop over each run of identical blocks (slower to compile)")
+                   "unrolled, not as a loop over each run of repeating blocks (slower to compile)")
     p.add_argument("--json", help="also write the report here")
     add_cache_arguments(p)
     return p

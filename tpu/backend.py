@@ -144,8 +144,8 @@ class JaxBackend:
     model then only gives names, shapes and dtypes: it may live on the meta device); each
     process reads only the rows its own devices hold (`tpu.loading`). Experts without one are
     placed from their model's host tensors the same way.
-    scan_blocks: the middle stage runs each run of identical blocks as one `jax.lax.scan` over
-    their weights, stacked at placement (`tpu.scan`): one block to compile per run, not all.
+    scan_blocks: the middle stage runs each run of repeating blocks as one `jax.lax.scan` over
+    their weights, stacked at placement (`tpu.scan`): one period of blocks to compile per run.
     """
 
     def __init__(self, models: dict, plan: SignalPlan, *, attention_impl: str | None = None,
