@@ -120,7 +120,7 @@ def scan_run(model, run: Run, stacked: list, hidden, call):
     from compat.torchax_compat import import_torchax
     from tpu import attention
     interop = import_torchax().interop
-    names = [f"model.{n}" for j in range(run.period) for n in run.names[j]]
+    names = [f"model.{members[0]}" for _, members in run.stacks()]  # the first period's, in order
 
     def period(h):
         for i in range(run.start, run.start + run.period):
