@@ -292,8 +292,12 @@ def run(args) -> dict:
         as_number("--fps", args.fps, minimum=stage3.MIN_FPS, maximum=stage3.MAX_FPS)
 
     if args.multihost:  # before anything touches JAX (importing the backend does)
+        from tpu.compile import cache_dir_of, enable_compile_cache
         from tpu.distributed import initialize
         initialize(args.coordinator_address, args.num_processes, args.process_id)
+        # the processes agree on each prompt's state (`_agree`, a psum) before stage 2 turns
+        # the persistent cache on: without it there, that program compiled again on every run
+        enable_compile_cache(cache_dir_of(args.compile_cache_dir))
     writer = stage2.backend_writer(args.multihost)
     with one_writer(_root(args.output_dir)) if writer else contextlib.nullcontext():
         return _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer)
@@ -383,9 +387,9 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
                          f"{_lowered(c['warmup'])} loop {_lowered(c['loop'])}")
         if job.state != DONE and writer:
             out = decode(job)
-            job.decode = {"seconds": out["decode_seconds"],
-                          "compiles": out.get("prepare_compiles"),
-                          "loop_compiles": out.get("loop_compiles")}
+            # on JAX stage 3's counts (prepare, loop, process: `compiled` is what the persistent
+            # cache did not serve), as stage 2's; none on torch
+            job.decode = {"seconds": out["decode_seconds"], "compiles": out.get("compiles")}
             _say(writer, f"[{i + 1}/{n}] stage 3 {out['decode_seconds']:.2f} s  "
                          f"{os.path.join(job.folder, VIDEO)}")
         job.given = job.uncached = None  # a long batch holds one prompt's tensors at a time

@@ -88,3 +88,37 @@ def test_a_second_two_process_stage2_run_compiles_nothing_on_either_process(tmp_
     assert _entries(cache) == sum(c["compiled"] for c in first)
     second = _two_processes(tmp_path, cache, "second")
     assert [c["compiled"] for c in second] == [0, 0], second
+
+
+def _two_process_job(tmp_path, cache, run):
+    """(each process's compile counts, process 0's summary) of the whole job (stages 1 to 3,
+    `generate`) on 2 processes x 1 CPU device (CFG parallel), one prompt; process 0 decodes."""
+    address = f"127.0.0.1:{free_port()}"
+    records = [tmp_path / f"{run}-{i}.json" for i in (0, 1)]
+    summary = tmp_path / f"{run}-summary.json"
+    procs = [subprocess.Popen(
+        [sys.executable, COUNTED, str(records[i]), "generate", "--prompt",
+         "red circle moves right on blue", "--enable_cache", "--num_inference_steps", "2",
+         "--no_progress", "--cfg_parallel", "--compile_cache_dir", str(cache), "--output_dir",
+         str(tmp_path / run), "--multihost", "--coordinator_address", address,
+         "--num_processes", "2", "--process_id", str(i), "--summary_json", str(summary)],
+        env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in (0, 1)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    assert (tmp_path / run / "output_video.mp4").is_file()
+    return [json.loads(r.read_text())["compiles"] for r in records], json.loads(summary.read_text())
+
+
+def test_a_second_two_process_job_compiles_nothing_in_stage2_or_stage3(tmp_path):
+    """The whole job on two processes: the second run compiles nothing on either process, the
+    decode's programs included. (Was: 1 a process, the programs the processes agree on each
+    prompt's state with, compiled before stage 2 turned the cache on.)"""
+    cache = tmp_path / "jax-cache"
+    first, summary = _two_process_job(tmp_path, cache, "first")
+    assert all(c["compiled"] > 0 for c in first), first
+    assert summary["stage3"][0]["compiles"]["prepare"]["compiled"] > 0, summary["stage3"]
+    second, summary = _two_process_job(tmp_path, cache, "second")
+    assert [c["compiled"] for c in second] == [0, 0], second
+    assert summary["stage3"][0]["compiles"]["prepare"]["compiled"] == 0, summary["stage3"]
