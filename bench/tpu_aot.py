@@ -51,6 +51,7 @@ ROWS = [
     ("hy15-480p-49f-v6e1", "--model hunyuanvideo-1.5-480p_t2v --topology v6e:1x1 --video_length 49"),
     # every other released HunyuanVideo-1.5 pipeline at its default size on v6e-8
     ("hy15-720p-i2v-v6e8", "--model hunyuanvideo-1.5-720p_i2v --topology v6e:2x4 --sp_size 8"),
+    ("hy15-480p-t2v-v6e8", "--model hunyuanvideo-1.5-480p_t2v --topology v6e:2x4 --sp_size 8"),
     ("hy15-480p-i2v-v6e8", "--model hunyuanvideo-1.5-480p_i2v --topology v6e:2x4 --sp_size 8"),
     ("hy15-480p-t2v-distilled-v6e8", "--model hunyuanvideo-1.5-480p_t2v_distilled --topology v6e:2x4 "
                                      "--sp_size 8"),
@@ -94,6 +95,8 @@ DECODE_ROWS = [
     ("vae-ti2v5b-v7x8", "--model wan2.2-ti2v-5b --topology v7x:2x2x1", "ti2v5b-v7x8"),
     ("vae-a14b-v7x8", "--model wan2.2-i2v-a14b --topology v7x:2x2x1", "a14b-v7x8"),
     ("vae-hy15-720p-v6e8", "--model hunyuanvideo-1.5-720p_t2v --topology v6e:2x4", "hy15-720p-v6e8"),
+    ("vae-hy15-480p-v6e8", "--model hunyuanvideo-1.5-480p_t2v --topology v6e:2x4",
+     "hy15-480p-t2v-v6e8"),
     ("vae-hy15-720p-v5e8", "--model hunyuanvideo-1.5-720p_t2v --topology v5e:2x4", "hy15-720p-v5e8"),
     ("vae-hy15-720p-v5p4", "--model hunyuanvideo-1.5-720p_t2v --topology v5p:2x2x1", "hy15-720p-v5p4"),
 ]

@@ -169,10 +169,23 @@ def stage1_figure(report: dict, host: dict) -> tuple[Figure, list[Work], tuple]:
 # --- one row ---------------------------------------------------------------------------------------
 
 def decode_for(stage2_name: str, folder: Path = OUT) -> tuple[str, dict] | None:
-    """The first decode row bench/tpu_aot.py pairs with this stage-2 row that has a report."""
-    for name, _, paired in DECODE_ROWS:
-        if paired == stage2_name and (r := read_report(name, folder)) is not None:
-            return name, r
+    """The first decode row bench/tpu_aot.py pairs with this stage-2 row that has a report, or
+    else the first decode report of the same VAE, clip size and slice: the decode does not
+    depend on the task or on how stage 2 splits the slice (a cfg x sp row, an image-to-video
+    pipeline of the same VAE and size decode alike)."""
+    from modules.vae import spec_for
+
+    def same_clip(r: dict) -> bool:
+        mine = read_report(stage2_name, folder)
+        return mine is not None and (r.get("vae"), r.get("size"), r.get("topology")) == (
+            spec_for(get_pipeline(mine["model"])).name, mine["size"], mine["topology"])
+
+    found = [(name, paired, r) for name, _, paired in DECODE_ROWS
+             if (r := read_report(name, folder)) is not None]
+    for match in (lambda paired, r: paired == stage2_name, lambda paired, r: same_clip(r)):
+        for name, paired, r in found:
+            if match(paired, r):
+                return name, r
     return None
 
 

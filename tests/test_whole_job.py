@@ -26,7 +26,7 @@ HOST = {"date": "2026-01-01", "cpu": "test CPU", "threads": 2, "bf16_native": []
 
 
 def _stage2(model, topology, size, steps, off, on, compile_s):
-    return {"model": model, "topology": topology, "size": size, "steps": steps, "cfg": 1,
+    return {"model": model, "topology": topology, "size": size, "steps": steps, "cfg": 1, "sp": 8,
             "seconds": {"run_uncached": off, "run_cached": on}, "compile_seconds": compile_s,
             "cache": {"config": {"deepcache": {"start": 11, "end": 45, "interval": 4}}},
             "schedule": {"steps": steps, "computed_steps": 25, "branches_per_step": 2}}
@@ -39,14 +39,18 @@ def rows(tmp_path, monkeypatch):
         # the same pipeline and slice again (an alternative): not a row of its own
         "ti2v-alt": _stage2("wan2.2-ti2v-5b", "v6e:2x4", [704, 1280, 121], 50, 99.0, 99.0, 1.0),
         "a14b": _stage2("wan2.2-i2v-a14b", "v6e:2x4", [720, 1280, 81], 40, 70.0, 35.0, 130.0),
-        "vae-ti2v": {"roofline_seconds": 0.5, "compile_seconds": 300.0},
+        # the same pipeline and slice split cfg 2 x sp 4: a row of its own, decoding like "ti2v"
+        "ti2v-cfg": {**_stage2("wan2.2-ti2v-5b", "v6e:2x4", [704, 1280, 121], 50, 9.0, 5.0, 90.0),
+                     "cfg": 2, "sp": 4},
+        "vae-ti2v": {"roofline_seconds": 0.5, "compile_seconds": 300.0, "vae": "wan2.2-vae",
+                     "size": [704, 1280, 121], "topology": "v6e:2x4"},
         # speech to video: the speech and reference-image encoders beside the text encoder
         "s2v": _stage2("wan2.2-s2v-14b", "v6e:2x4", [704, 1280, 80], 40, 80.0, 40.0, 300.0),
     }
     for name, r in reports.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     monkeypatch.setattr(wj, "ROWS", [("ti2v", ""), ("ti2v-alt", ""), ("a14b", ""), ("none", ""),
-                                      ("s2v", "")])
+                                      ("s2v", ""), ("ti2v-cfg", "")])
     monkeypatch.setattr(wj, "DECODE_ROWS", [("vae-missing", "", "ti2v"), ("vae-ti2v", "", "ti2v")])
     return wj.job_rows(HOST, tmp_path)
 
@@ -75,8 +79,11 @@ def test_speech_to_video_stage1_counts_speech_and_reference_image(rows):
 
 
 def test_rows_kinds_and_totals(rows):
-    assert [r["row"] for r in rows] == ["ti2v", "a14b", "s2v"]
-    ti2v, a14b, _ = (_figures(r) for r in rows)
+    assert [r["row"] for r in rows] == ["ti2v", "a14b", "s2v", "ti2v-cfg"]
+    ti2v, a14b, _, ti2v_cfg = (_figures(r) for r in rows)
+    # a row no decode row is paired with takes the decode of its VAE, clip size and slice
+    assert rows[3]["decode"] == "vae-ti2v" and ti2v_cfg["stage3"].value == 0.5
+    assert rows[1]["decode"] is None  # a14b: no decode row of its pipeline
     kinds = {"stage1": "estimate", "stage2_uncached": "roofline", "stage2_cached": "roofline",
              "stage3": "roofline", "compile_cold": "measured", "compile_warm": "estimate",
              "total_uncached": "estimate", "total_cached": "estimate"}
@@ -101,8 +108,8 @@ def test_page_marks_every_figure(rows):
     text = "\n".join(wj.page(rows, HOST))
     s1 = UMT5_TWO_PROMPTS / (20e9 * 90)
     line = next(x for x in text.splitlines() if x.startswith("| wan2.2-ti2v-5b"))
-    assert line == (f"| wan2.2-ti2v-5b 121 x 704 x 1280 | v6e:2x4 | {s1:.1f} [E] | 10.0 [R] | 6.0 [R] "
-                    "(DeepCache 11/45/4, 25/50 computed) | 0.5 [R] | 400 [M] | 10 [E] | "
+    assert line == (f"| wan2.2-ti2v-5b 121 x 704 x 1280 | v6e:2x4 (cfg 1 x sp 8) | {s1:.1f} [E] | "
+                    "10.0 [R] | 6.0 [R] (DeepCache 11/45/4, 25/50 computed) | 0.5 [R] | 400 [M] | 10 [E] | "
                     f"{s1 + 10.5:.0f} [E] | {s1 + 6.5:.0f} [E] | - |")
     line = next(x for x in text.splitlines() if x.startswith("| wan2.2-i2v-a14b"))
     assert line.count("no decode report") == 3 and "184.7 s" in line and "[M, gpu-tpu-pedia]" in line
