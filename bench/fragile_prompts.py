@@ -63,7 +63,7 @@ def protected(fields: dict, first: int) -> dict:
         if steps is not None:
             fields["deepcache"]["steps"] = sorted(set(steps) | set(range(first)))
         else:
-            fields["warmup"] = max(first, fields.get("warmup", 1))
+            fields["warmup"] = max(first, fields.get("warmup", CMConfig().warmup))
     return fields
 
 

@@ -175,17 +175,18 @@ def decode_for(stage2_name: str, folder: Path = OUT) -> tuple[str, dict] | None:
     pipeline of the same VAE and size decode alike)."""
     from modules.vae import spec_for
 
-    def same_clip(r: dict) -> bool:
-        mine = read_report(stage2_name, folder)
-        return mine is not None and (r.get("vae"), r.get("size"), r.get("topology")) == (
-            spec_for(get_pipeline(mine["model"])).name, mine["size"], mine["topology"])
-
     found = [(name, paired, r) for name, _, paired in DECODE_ROWS
              if (r := read_report(name, folder)) is not None]
-    for match in (lambda paired, r: paired == stage2_name, lambda paired, r: same_clip(r)):
-        for name, paired, r in found:
-            if match(paired, r):
-                return name, r
+    for name, paired, r in found:
+        if paired == stage2_name:
+            return name, r
+    mine = read_report(stage2_name, folder)
+    if mine is None:
+        return None
+    clip = (spec_for(get_pipeline(mine["model"])).name, mine["size"], mine["topology"])
+    for name, _, r in found:
+        if (r.get("vae"), r.get("size"), r.get("topology")) == clip:
+            return name, r
     return None
 
 
