@@ -67,14 +67,14 @@ def protected(fields: dict, first: int) -> dict:
     return fields
 
 
-def chosen_labels(profile: str) -> list[tuple[str, str]]:
-    """(target, label) of what budgeted mode chooses for the trained page's error budgets."""
+def chosen_labels(profile: str) -> list[tuple[float, str]]:
+    """(budget, label) of what budgeted mode chooses for the trained page's error budgets."""
     block = budget.load(profile)
     out = []
     for e in BUDGETS["trained"]:
         choice = budget.choose(block, rel_err=e)
         if choice is not None:
-            out.append((f"rel L2 budget {e:g}", choice.label))
+            out.append((e, choice.label))
     return out
 
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
              "one draw's final-latent rel L2 against the uncached run of the same draw (no "
              "pooling). Budgeted mode's choices for the trained page's error budgets, from "
              f"`{os.path.relpath(PROFILES[args.family])}`: "
-             + "; ".join(f"{t}: {label}" for t, label in targets) + ".", "",
+             + "; ".join(f"rel L2 budget {e:g}: {label}" for e, label in targets) + ".", "",
              "first W: the configuration with its first W steps computed (a static schedule: "
              "those steps added; a threshold: --warmup W). A draw flipped where its error is "
              f"over {FLIP:g}x the configuration's median over the draws (bold).", "",
@@ -143,12 +143,20 @@ def main(argv=None) -> int:
         lines.append(f"| {seed} | {held_out_clip(seed).prompt} | " + " | ".join(cells) + " |")
     lines.append("| computed | | " + " | ".join(
         f"{sum(fractions[(x, f)]) / len(draws):.3f}" for x in labels for f in firsts) + " |")
-    lines += ["", "Flipped draws: " + "; ".join(
+    kept = []
+    for e, label in targets:  # each draw alone against its budget, as chosen (first 0)
+        missed = [f"{seed} ({x:.1e})" for seed, x in zip(draws, errors[(label, 0)], strict=True)
+                  if x > e] if 0 in firsts else None
+        if missed is not None:
+            kept.append(f"rel L2 budget {e:g}: {len(draws) - len(missed)} of {len(draws)}"
+                        + (f" (missed on {', '.join(missed)})" if missed else ""))
+    lines += ["", "Kept draw by draw: " + "; ".join(kept) + "." if kept else "",
+              "", "Flipped draws: " + "; ".join(
         f"{x} / first {f}: {', '.join(map(str, flips((x, f)))) or 'none'}"
         for x in labels for f in firsts) + ".", ""]
     out = args.out or os.path.join(RESULTS, f"fragile_prompts_{args.family}.md")
     atomic_write(out, lambda fh: fh.write("\n".join(lines)))
-    print("\n".join(lines[-2:]))
+    print("\n".join(lines[-4:]))
     print(f"wrote {os.path.relpath(out)}")
     return 0
 

@@ -24,4 +24,5 @@ def test_the_studied_configurations_are_what_the_trained_page_chose():
     page = fp.PROFILES["hunyuan"].replace("budget_profile_hunyuan.json", "results.csv")
     with open(page) as fh:
         ran = [r["setting"] for r in csv.DictReader(fh) if r["method"] == "ours budgeted"]
-    assert [f"{t}: {label}" for t, label in fp.chosen_labels(fp.PROFILES["hunyuan"])] == ran
+    assert [f"rel L2 budget {e:g}: {label}"
+            for e, label in fp.chosen_labels(fp.PROFILES["hunyuan"])] == ran
