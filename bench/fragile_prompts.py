@@ -6,7 +6,7 @@ misses were the pooled point of 12 held-out prompts, whose error one prompt made
 runs each configuration on each draw alone (the trained page's 12 prompts and its 4 unseen
 draws) against the uncached run of the same draw, so a miss shows which draw made it and by how
 much; and each configuration again with its first W steps computed (a static schedule: those
-steps added; a threshold: --warmup W), to see whether computing the layout phase stops it.
+steps added; a threshold: --cache_warmup W), to see whether computing the layout phase stops it.
 
     python bench/fragile_prompts.py --family hunyuan            # ~3 min on one core
     python bench/fragile_prompts.py --family wan --protect 0
@@ -56,7 +56,7 @@ FLIP = 5.0
 
 def protected(fields: dict, first: int) -> dict:
     """The configuration with its first `first` steps computed: a static schedule's steps and
-    range(first); a threshold's --warmup."""
+    range(first); a threshold's warmup (--cache_warmup)."""
     fields = copy.deepcopy(fields)
     if first:
         steps = fields.get("deepcache", {}).get("steps")
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
              f"`{os.path.relpath(PROFILES[args.family])}`: "
              + "; ".join(f"rel L2 budget {e:g}: {label}" for e, label in targets) + ".", "",
              "first W: the configuration with its first W steps computed (a static schedule: "
-             "those steps added; a threshold: --warmup W). A draw flipped where its error is "
+             "those steps added; a threshold: --cache_warmup W). A draw flipped where its error is "
              f"over {FLIP:g}x the configuration's median over the draws (bold).", "",
              "| draw | prompt | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for i, seed in enumerate(draws):
