@@ -10,6 +10,9 @@ steps added; a threshold: --cache_warmup W), to see whether computing the layout
 
     python bench/fragile_prompts.py --family hunyuan            # ~3 min on one core
     python bench/fragile_prompts.py --family wan --protect 0
+    python bench/fragile_prompts.py --family wan --protect 0 \
+        --checkpoint bench/fixtures/heldout/tiny-wan-ti2v-seed7 \
+        --profile bench/results/pareto/heldout_seed7/budget_profile_wan.json
 
 Configurations: what budgeted mode chooses for the trained page's error budgets from that
 page's profile (bench/results/pareto/trained*/budget_profile_*.json), and --labels (labels of
@@ -81,6 +84,10 @@ def chosen_labels(profile: str) -> list[tuple[float, str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=("hunyuan", "wan"), default="hunyuan")
+    ap.add_argument("--checkpoint", help="a trained tiny model of the family in place of its "
+                    "committed one (as bench/pareto.py's --checkpoint); give its page's --profile")
+    ap.add_argument("--profile", help="the budget profile its page calibrated (default: the "
+                    "committed model's trained page's)")
     ap.add_argument("--prompts", type=int, default=12,
                     help=f"held-out prompts of the trained page (from draw {FOLLOW_SEEDS[0]}), "
                          "beside its unseen draws")
@@ -92,9 +99,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     began = time.perf_counter()
-    wl = build_workload(trained_families()[args.family])
+    if args.checkpoint is not None and args.profile is None:
+        ap.error("--checkpoint: give --profile too, the budget profile its own page calibrated")
+    profile = args.profile or PROFILES[args.family]
+    families = trained_families(args.checkpoint)
+    if args.family not in families:
+        ap.error(f"--checkpoint {args.checkpoint}: not a {args.family} model; expected one of "
+                 f"the family --family names")
+    wl = build_workload(families[args.family])
     space = dict(budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
-    targets = chosen_labels(PROFILES[args.family])
+    targets = chosen_labels(profile)
     labels = list(dict.fromkeys([label for _, label in targets]
                                 + [x for x in args.labels.split("|") if x]))
     unknown = [x for x in labels if x not in space]
@@ -128,7 +142,7 @@ def main(argv=None) -> int:
              f"({(time.perf_counter() - began) / 60:.1f} min). TRAINED weights; every figure is "
              "one draw's final-latent rel L2 against the uncached run of the same draw (no "
              "pooling). Budgeted mode's choices for the trained page's error budgets, from "
-             f"`{os.path.relpath(PROFILES[args.family])}`: "
+             f"`{os.path.relpath(profile)}`: "
              + "; ".join(f"rel L2 budget {e:g}: {label}" for e, label in targets) + ".", "",
              "first W: the configuration with its first W steps computed (a static schedule: "
              "those steps added; a threshold: --cache_warmup W). A draw flipped where its error is "
@@ -154,7 +168,9 @@ def main(argv=None) -> int:
               "", "Flipped draws: " + "; ".join(
         f"{x} / first {f}: {', '.join(map(str, flips((x, f)))) or 'none'}"
         for x in labels for f in firsts) + ".", ""]
-    out = args.out or os.path.join(RESULTS, f"fragile_prompts_{args.family}.md")
+    name = args.family + ("" if args.checkpoint is None
+                          else "_" + os.path.basename(os.path.normpath(args.checkpoint)))
+    out = args.out or os.path.join(RESULTS, f"fragile_prompts_{name}.md")
     atomic_write(out, lambda fh: fh.write("\n".join(lines)))
     print("\n".join(lines[-4:]))
     print(f"wrote {os.path.relpath(out)}")

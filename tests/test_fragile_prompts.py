@@ -3,6 +3,8 @@ and the configurations it studies are the ones the trained page's budgeted mode 
 
 import csv
 
+import pytest
+
 from bench import fragile_prompts as fp
 from cache.flags import config_from_fields
 from sampling.budget import static_fields
@@ -26,3 +28,9 @@ def test_the_studied_configurations_are_what_the_trained_page_chose():
         ran = [r["setting"] for r in csv.DictReader(fh) if r["method"] == "ours budgeted"]
     assert [f"rel L2 budget {e:g}: {label}"
             for e, label in fp.chosen_labels(fp.PROFILES["hunyuan"])] == ran
+
+
+def test_another_checkpoint_needs_the_profile_its_page_calibrated(capsys):
+    with pytest.raises(SystemExit) as exc:
+        fp.main(["--family", "wan", "--checkpoint", "bench/fixtures/heldout/tiny-wan-ti2v-seed7"])
+    assert exc.value.code == 2 and "give --profile too" in capsys.readouterr().err
