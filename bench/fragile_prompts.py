@@ -136,6 +136,7 @@ def main(argv=None) -> int:
         median = e[len(e) // 2]
         return [s for s, x in zip(draws, errors[key], strict=True) if x > FLIP * median]
 
+    flipped = {key: flips(key) for key in errors}
     head = [f"{label} / first {f}" for label in labels for f in firsts]
     lines = [f"# Fragile prompts: {wl.family.title}", "",
              f"Reproduce: `python bench/fragile_prompts.py {shlex.join(argv or sys.argv[1:])}` "
@@ -153,20 +154,20 @@ def main(argv=None) -> int:
         for label in labels:
             for f in firsts:
                 x = errors[(label, f)][i]
-                cells.append(f"**{x:.1e}**" if seed in flips((label, f)) else f"{x:.1e}")
+                cells.append(f"**{x:.1e}**" if seed in flipped[(label, f)] else f"{x:.1e}")
         lines.append(f"| {seed} | {held_out_clip(seed).prompt} | " + " | ".join(cells) + " |")
     lines.append("| computed | | " + " | ".join(
         f"{sum(fractions[(x, f)]) / len(draws):.3f}" for x in labels for f in firsts) + " |")
     kept = []
-    for e, label in targets:  # each draw alone against its budget, as chosen (first 0)
-        missed = [f"{seed} ({x:.1e})" for seed, x in zip(draws, errors[(label, 0)], strict=True)
-                  if x > e] if 0 in firsts else None
-        if missed is not None:
+    if 0 in firsts:  # each draw alone against its budget, as chosen
+        for e, label in targets:
+            missed = [f"{seed} ({x:.1e})" for seed, x in zip(draws, errors[(label, 0)], strict=True)
+                      if x > e]
             kept.append(f"rel L2 budget {e:g}: {len(draws) - len(missed)} of {len(draws)}"
                         + (f" (missed on {', '.join(missed)})" if missed else ""))
     lines += ["", "Kept draw by draw: " + "; ".join(kept) + "." if kept else "",
               "", "Flipped draws: " + "; ".join(
-        f"{x} / first {f}: {', '.join(map(str, flips((x, f)))) or 'none'}"
+        f"{x} / first {f}: {', '.join(map(str, flipped[(x, f)])) or 'none'}"
         for x in labels for f in firsts) + ".", ""]
     name = args.family + ("" if args.checkpoint is None
                           else "_" + os.path.basename(os.path.normpath(args.checkpoint)))

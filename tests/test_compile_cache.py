@@ -62,14 +62,14 @@ def test_a_second_stage3_run_compiles_nothing(stage2_twice, tmp_path):
     assert reports[1]["compiles"]["loop"]["backend"] == 0
 
 
-def _two_processes(tmp_path, cache, run):
-    """Each process's compile counts, of a stage 2 on 2 processes x 1 CPU device (CFG parallel)."""
+def _two_processes(tmp_path, run, args) -> list[dict]:
+    """Each process's compile counts, of tests/counted_stage2.py on `args` and the multi-host
+    flags, on 2 processes x 1 CPU device."""
     address = f"127.0.0.1:{free_port()}"
     records = [tmp_path / f"{run}-{i}.json" for i in (0, 1)]
     procs = [subprocess.Popen(
-        [sys.executable, COUNTED, str(records[i]), *STAGE2[2:], "--cfg_parallel",
-         "--compile_cache_dir", str(cache), "--output_dir", str(tmp_path / run), "--multihost",
-         "--coordinator_address", address, "--num_processes", "2", "--process_id", str(i)],
+        [sys.executable, COUNTED, str(records[i]), *args, "--multihost", "--coordinator_address",
+         address, "--num_processes", "2", "--process_id", str(i)],
         env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in (0, 1)]
     results = [p.communicate(timeout=300) for p in procs]
@@ -78,37 +78,34 @@ def _two_processes(tmp_path, cache, run):
     return [json.loads(r.read_text())["compiles"] for r in records]
 
 
+def _two_process_stage2(tmp_path, cache, run):
+    """A stage 2 on 2 processes (CFG parallel): each process's compile counts."""
+    return _two_processes(tmp_path, run, [*STAGE2[2:], "--cfg_parallel", "--compile_cache_dir",
+                                          str(cache), "--output_dir", str(tmp_path / run)])
+
+
 def test_a_second_two_process_stage2_run_compiles_nothing_on_either_process(tmp_path):
     """JAX writes the cache from process 0 alone; on CPU every key is the process's own (its CPU
     topology fingerprint is in it), so process 1 writes its entries itself (tpu.compile
     write_own_entries), and on the second run neither process compiles."""
     cache = tmp_path / "jax-cache"
-    first = _two_processes(tmp_path, cache, "first")
+    first = _two_process_stage2(tmp_path, cache, "first")
     assert all(c["compiled"] > 0 for c in first), first
     assert _entries(cache) == sum(c["compiled"] for c in first)
-    second = _two_processes(tmp_path, cache, "second")
+    second = _two_process_stage2(tmp_path, cache, "second")
     assert [c["compiled"] for c in second] == [0, 0], second
 
 
 def _two_process_job(tmp_path, cache, run):
     """(each process's compile counts, process 0's summary) of the whole job (stages 1 to 3,
-    `generate`) on 2 processes x 1 CPU device (CFG parallel), one prompt; process 0 decodes."""
-    address = f"127.0.0.1:{free_port()}"
-    records = [tmp_path / f"{run}-{i}.json" for i in (0, 1)]
+    `generate`) on 2 processes (CFG parallel), one prompt; process 0 decodes."""
     summary = tmp_path / f"{run}-summary.json"
-    procs = [subprocess.Popen(
-        [sys.executable, COUNTED, str(records[i]), "generate", "--prompt",
-         "red circle moves right on blue", "--enable_cache", "--num_inference_steps", "2",
-         "--no_progress", "--cfg_parallel", "--compile_cache_dir", str(cache), "--output_dir",
-         str(tmp_path / run), "--multihost", "--coordinator_address", address,
-         "--num_processes", "2", "--process_id", str(i), "--summary_json", str(summary)],
-        env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in (0, 1)]
-    results = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 0, err[-2000:]
+    compiles = _two_processes(tmp_path, run, [
+        "generate", "--prompt", "red circle moves right on blue", "--enable_cache",
+        "--num_inference_steps", "2", "--no_progress", "--cfg_parallel", "--compile_cache_dir",
+        str(cache), "--output_dir", str(tmp_path / run), "--summary_json", str(summary)])
     assert (tmp_path / run / "output_video.mp4").is_file()
-    return [json.loads(r.read_text())["compiles"] for r in records], json.loads(summary.read_text())
+    return compiles, json.loads(summary.read_text())
 
 
 def test_a_second_two_process_job_compiles_nothing_in_stage2_or_stage3(tmp_path):
