@@ -75,6 +75,7 @@ from bench.pareto_workload import (  # noqa: E402
     CALIBRATION_SEED,
     FOLLOW_SEEDS,
     INIT,
+    SCREEN_SEEDS,
     SEED,
     TRAINED,
     UNSEEN_SEEDS,
@@ -142,6 +143,10 @@ def budget_profile(wl: Workload, path: str) -> dict:
         space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
     block = calibrate.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
                                    steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
+    if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
+        block = calibrate.screen_space(
+            lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, block,
+            {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS}, wl.shape)
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})
     return block
 
@@ -483,6 +488,7 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
              "blocks": family.config.num_layers, "agreement": agreement, "spread": spread,
              "uncached_cpu": (ours_base.cpu, their_base.cpu),
              "budget_unseen": unseen,
+             "budget_screen": cache["budget"].get("screen_seeds", []) if "budget" in cache else [],
              "about": {m.name: m.about for m in menu}}
     return rows, traces, facts
 
@@ -590,7 +596,8 @@ def main(argv=None) -> int:
         print(f"\n{fam.title}: where we stand")
         for metric in METRICS:
             print("\n".join(standing(rows, fam.key, metric)[0]))
-        print("\n".join(budget_standing(rows, fam.key, facts[fam.key]["budget_unseen"])[0]))
+        print("\n".join(budget_standing(rows, fam.key, facts[fam.key]["budget_unseen"],
+                                         facts[fam.key]["budget_screen"])[0]))
         if fam.trained and args.follow:
             print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"

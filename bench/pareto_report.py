@@ -394,9 +394,9 @@ def kept(kind: str, target: float, rel_l2: float, computed: float) -> bool:
     return rel_l2 <= target if kind == "rel_err" else computed <= 1.0 / target + 1e-9
 
 
-def budget_standing(rows, family, unseen) -> tuple[list[str], str]:
+def budget_standing(rows, family, unseen, screen=()) -> tuple[list[str], str]:
     """Budgeted mode: each target (an error budget or a speedup) on the draws it was not
-    calibrated on (the row's own draws and UNSEEN_SEEDS but SEED), and each of its points
+    calibrated or screened on (the row's own draws and UNSEEN_SEEDS but SEED), and each of its points
     against our front (the other curves) and the best peer, both forms of the goal. A point
     counts as met only where the chosen run computed less than every block and a peer point
     exists on each side (issue 39). Markdown lines and a one-line summary."""
@@ -408,7 +408,10 @@ def budget_standing(rows, family, unseen) -> tuple[list[str], str]:
     peers = points(rows, family, False)
     unseen_seeds = [s for s in UNSEEN_SEEDS if s != SEED]
     lines = [f"Budgeted mode (`--budget_profile` with `--budget_rel_err` or `--budget_speedup`), "
-             f"calibrated on draws {', '.join(map(str, BUDGET_SEEDS))}; each target's point is "
+             f"calibrated on draws {', '.join(map(str, BUDGET_SEEDS))}"
+             + (f" and each configuration a target chooses screened on draws {screen[0]}-{screen[-1]}"
+                f" ({len(screen)} draws; sampling/budget.py)" if screen else "")
+             + "; each target's point is "
              "its run on the draws every curve here is measured on, and it is also run on draws "
              f"{', '.join(map(str, unseen_seeds))}. PSNR pooled over draws:", "",
              "| target | chosen | computed | PSNR dB | achieved rel L2 (max over the point and the "

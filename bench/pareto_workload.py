@@ -31,6 +31,10 @@ SEED = 0  # noise and stage-1 tensors of the evaluated trajectory
 CALIBRATION_SEED = 1  # MagCache calibrates on another draw (held out)
 BUDGET_SEEDS = (1, 2, 3)  # budgeted mode calibrates on these draws...
 UNSEEN_SEEDS = (SEED, 4, 5, 6, 7)  # ...and is checked on five it never saw
+# Trained regime: what a target would choose is screened on 30 more draws (calibrate
+# --screen_draws; a fragile prompt flips under one configuration in 10-40 draws), after every
+# prompt-following draw (FOLLOW_SEEDS), so none is ever evaluated
+SCREEN_SEEDS = tuple(range(34, 64))
 INIT = ("smooth in t (bench/workload.py: Gaussian low-pass over the time embedder's sinusoid "
         "columns, cutoff period 300 timesteps, power renormalised; modulation weights x3), "
         "torch.manual_seed(0) draw, fp32")

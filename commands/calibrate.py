@@ -86,14 +86,9 @@ def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solv
     return pairs, mag
 
 
-def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
-                  space, log=None):
-    """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
-    the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
-    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
-    from cache.flags import config_from_fields
-    from sampling.fidelity import fidelity
-
+def _runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
+    """once(config, seed, tensors) -> (final latents on the host, computed fraction of block
+    evaluations; a reuse runs the probe and tail), one backend per probe/tail/signal plan."""
     backends = {}
     blocks = pipe.config.num_layers
 
@@ -110,11 +105,22 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
         ran = sum(blocks if r["action"] == "compute" else reuse for r in rows)
         return backend.get(traj.latents), ran / (blocks * len(rows))
 
+    return once
+
+
+def _measure(once, space, tensors_by_seed, title, log, refs):
+    """[{label, config, rel_l2: [per draw], computed: [per draw]}] of every (label, fields) of
+    `space` on every draw, each against the uncached run of the same draw (refs: seed -> its
+    final latents, run here where missing)."""
+    from cache.flags import config_from_fields
+    from sampling.fidelity import fidelity
+
     out = []
-    runs = len(tensors_by_seed) * (1 + len(space))
-    with progress.bar(runs, "calibrating (configuration x draw)", unit="run") as shown:
-        refs = {}
-        for seed, t in tensors_by_seed.items():
+    missing = [seed for seed in tensors_by_seed if seed not in refs]
+    runs = len(missing) + len(tensors_by_seed) * len(space)
+    with progress.bar(runs, title, unit="run") as shown:
+        for seed in missing:
+            t = tensors_by_seed[seed]
             shown.set_postfix_str(f"uncached, seed {seed}", refresh=False)
             refs[seed] = once(CMConfig(), seed, t)[0]
             shown.update(1)
@@ -132,6 +138,42 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
                 log(f"  {label}: rel L2 {' '.join(f'{e:.2e}' for e in errors)}, computed "
                     f"{' '.join(f'{f:.3f}' for f in fractions)}")
     return out
+
+
+def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
+                  space, log=None):
+    """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
+    the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
+    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
+    once = _runner(make_backend, pipe, latent_shape, steps=steps, solver=solver, shift=shift)
+    return _measure(once, space, tensors_by_seed, "calibrating (configuration x draw)", log, {})
+
+
+def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, log=None) -> dict:
+    """Budgeted mode's screening (sampling/budget.py screen): every candidate that some target
+    chooses run on the screen draws too, against their uncached runs, until the choices are all
+    screened."""
+    from cache.flags import config_from_fields
+    from sampling.fidelity import fidelity
+
+    once = _runner(make_backend, pipe, latent_shape, steps=block["steps"],
+                   solver=block["solver"], shift=block["shift"])
+    refs = {}  # the uncached screen runs, once each
+
+    def run(candidate, seed):
+        if seed not in refs:
+            refs[seed] = once(CMConfig(), seed, screen_tensors[seed])[0]
+        shown.set_postfix_str(f"{candidate['label']}, seed {seed}", refresh=False)
+        latents, fraction = once(config_from_fields(candidate["config"]), seed, screen_tensors[seed])
+        shown.update(1)
+        return float(fidelity(latents, refs[seed])["rel_l2"]), float(fraction)
+
+    def done(c):
+        if log is not None:
+            log(f"  {c['label']}: screened rel L2 {' '.join(f'{e:.2e}' for e in c['screen']['rel_l2'])}")
+
+    with progress.bar(None, "screening (configuration x draw)", unit="run") as shown:
+        return budget.screen(block, list(screen_tensors), run, done)
 
 
 def budget_block(candidates, *, pipe_name, seeds, steps, solver, shift) -> dict:
@@ -193,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(final-latent error and computed fraction against uncached), for "
                          "--budget_profile with --budget_rel_err/--budget_speedup; needs "
                          "--samples >= 2 (the margin is learned from their spread)")
+    g.add_argument("--screen_draws", type=int, default=0,
+                    help="with --budget: run every configuration a target would choose on this "
+                         "many further draws (seeds after the samples'), again until the choices "
+                         "are all screened, so a configuration that flips a rare fragile prompt "
+                         "drops out (on trained weights: 30 kept every error budget on unseen "
+                         "draws where 3 alone did not); 0: none")
     return ap
 
 
@@ -209,6 +257,7 @@ class Calibration:
     signal: str  # what the TeaCache signature summarises
     degree: int
     budget: bool  # also measure every configuration budgeted mode chooses from
+    screen_draws: int  # ...and screen the ones a target chooses on this many further draws
     out: str
 
 
@@ -228,11 +277,19 @@ def resolve(args) -> Calibration:
     if args.budget and samples < 2:
         raise UsageError(f"--budget learns its safety margin from the spread between samples; "
                          f"--samples {samples}: expected 2 or more")
+    screen = as_int("--screen_draws", args.screen_draws, minimum=0)
+    if screen and not args.budget:
+        raise UsageError(f"--screen_draws {screen}: screening runs the budget's configurations; "
+                         "expected --budget with it")
+    if first_seed + samples + screen > 2 ** 63:
+        raise UsageError(f"--first_seed {first_seed}: the samples' and screen draws' seeds run "
+                         f"past 2**63; expected a smaller --first_seed")
     check_path("--model_path", args.model_path)
     check_writable_file("--out", args.out)
     return Calibration(pipe=pipe, model_path=args.model_path, backend=args.backend,
                        samples=samples, steps=steps, first_seed=first_seed,
-                       signal=args.teacache_signal, degree=degree, budget=args.budget, out=args.out)
+                       signal=args.teacache_signal, degree=degree, budget=args.budget,
+                       screen_draws=screen, out=args.out)
 
 
 def run(args) -> dict:
@@ -278,6 +335,13 @@ def calibrate(spec: Calibration) -> dict:
                                    log=lambda line: print(line, flush=True))
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
+        if spec.screen_draws:
+            first = spec.first_seed + spec.samples
+            screen = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
+                      for seed in range(first, first + spec.screen_draws)}
+            profile["budget"] = screen_space(lambda plan: _backend(spec.backend, models, plan),
+                                             pipe, profile["budget"], screen, shape,
+                                             log=lambda line: print(line, flush=True))
     _write(spec.out, profile)  # once, at the end: an interrupted run leaves the old profile
     return {"calls": len(pairs), "result": result, "out": spec.out,
             "budget": profile.get("budget"), "warnings": fit_warnings(result, spec.signal)}
@@ -308,12 +372,18 @@ def format_summary(report: dict) -> str:
     lines += [f"warning: {w}" for w in report.get("warnings", [])]
     b = report.get("budget")
     if b:
+        screened = sum("screen" in c for c in b["candidates"])
         lines.append(f"budget: {len(b['candidates'])} configurations on {len(b['seeds'])} draws "
                      f"(seeds {b['seeds'][0]}..{b['seeds'][-1]}), pooled spread of log errors "
-                     f"{b['pooled_log_spread']:.2f}; bound for an unseen draw (95%):")
+                     f"{b['pooled_log_spread']:.2f}"
+                     + (f"; {screened} screened on {len(b['screen_seeds'])} more draws"
+                        if b.get("screen_seeds") else "")
+                     + "; bound for an unseen draw (95%):")
         for c, bound in zip(b["candidates"], budget.bounds(b["candidates"]), strict=True):
+            computed = budget.computed_of(c)
             lines.append(f"  {c['label']}: rel L2 <= {bound:.2e}, computed "
-                         f"{sum(c['computed']) / len(c['computed']):.3f}")
+                         f"{sum(computed) / len(computed):.3f}"
+                         + (" (screened)" if "screen" in c else ""))
     return "\n".join(lines)
 
 

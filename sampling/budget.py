@@ -19,6 +19,21 @@ draws that happen to agree say little), and Student's t for the few draws measur
 
 With 3 draws t is 2.92, so a configuration whose errors spread by a factor 1.5 promises about
 2.6x its geometric mean; 2 draws (t 6.31) promise little, 5 (t 2.13) more.
+
+Screening (`--screen_draws N`). On trained weights a prompt can be fragile: most caching that errs
+more than a little elsewhere moves its object to another place (a rel L2 of 0.15-0.5 where other
+draws give 0.005), so a bound learned from 3 ordinary draws promised 0.03 and a held-out prompt
+gave 0.24 (bench/results/fragile_prompts_hunyuan.md). Such flips are rare and differ by prompt and
+configuration; a few draws do not see them. So every configuration that some target would choose
+is run again on N further draws, its bound taken over all its draws (and at least their
+ceil(0.95 (n + 1))-th smallest error, a distribution-free 95% bound for one more draw, which is
+their max below 39 draws), and the choices measured again, until every configuration a target can
+choose has been screened. A configuration stops at the first screen draw whose error is over the
+bound it had before (it broke the promise it would have been chosen on; its bound is now at least
+that error), so a flipping one drops out after a few draws and a steady one runs them all and
+earns the tighter bound its many draws give. Screened errors sit beside the calibration draws' in
+each candidate's "screen" ({"rel_l2": [...], "computed": [...]}, one per screen draw it ran, in
+the order of budget.screen_seeds).
 """
 
 from __future__ import annotations
@@ -242,29 +257,48 @@ def _log_stats(errors):
     return mean, math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
 
 
+def errors_of(c) -> list:
+    """A candidate's errors on every draw it ran: the calibration draws and, where it was
+    screened, the screen draws."""
+    return list(c["rel_l2"]) + list(c.get("screen", {}).get("rel_l2", ()))
+
+
+def computed_of(c) -> list:
+    return list(c["computed"]) + list(c.get("screen", {}).get("computed", ()))
+
+
 def pooled_spread(candidates) -> float:
-    """The spread of log errors between draws, pooled over the configurations that reused on
-    every draw and stayed finite (one that reused nothing on a draw has no log error there, one
-    that diverged none that means anything)."""
+    """The spread of log errors between the calibration draws, pooled over the configurations
+    that reused on every draw and stayed finite (one that reused nothing on a draw has no log
+    error there, one that diverged none that means anything). The screen draws stay out of it:
+    they are run only by the few configurations a target would choose."""
     variances = [_log_stats(c["rel_l2"])[1] ** 2 for c in candidates
                  if len(c["rel_l2"]) > 1 and all(0.0 < e < math.inf for e in c["rel_l2"])]
     return math.sqrt(sum(variances) / len(variances)) if variances else 0.0
 
 
+def order_bound(errors) -> float:
+    """A distribution-free one-sided 95% prediction bound for one more draw: the
+    ceil(0.95 (n + 1))-th smallest of n errors, the largest below 39 draws."""
+    ranked = sorted(errors)
+    return ranked[min(len(ranked), -(-95 * (len(ranked) + 1) // 100)) - 1]
+
+
 def bounds(candidates) -> list[float]:
-    """Each configuration's error bound for a draw it has not seen (see the module's text). The
-    draws on which a configuration reused nothing (no error) are left out of its statistics."""
+    """Each configuration's error bound for a draw it has not seen (see the module's text), over
+    every draw it ran. The draws on which a configuration reused nothing (no error) are left out
+    of its statistics."""
     pooled = pooled_spread(candidates)
     out = []
     for c in candidates:
-        errors = [e for e in c["rel_l2"] if e > 0.0]
+        errors = [e for e in errors_of(c) if e > 0.0]
         if not errors:  # never reused on any draw
             out.append(0.0)
             continue
         n = len(errors)
         mean, spread = _log_stats(errors)
-        out.append(max(max(errors), math.exp(mean + t95(max(n - 1, 1)) * max(spread, pooled)
-                                             * math.sqrt(1.0 + 1.0 / n))))
+        out.append(max(order_bound(errors), math.exp(mean + t95(max(n - 1, 1)) * max(spread, pooled)
+                                                     * math.sqrt(1.0 + 1.0 / n))))
     return out
 
 
@@ -306,9 +340,16 @@ def check(profile) -> dict:
     if len(set(seeds)) != len(seeds):
         refuse_field("budget.seeds", seeds, "distinct seeds, one per draw")
     draws = len(seeds)
+    screen_seeds = json_list(budget.get("screen_seeds", []), "budget.screen_seeds",
+                             "the seeds of the screen draws (calibrate --screen_draws)")
+    for i, seed in enumerate(screen_seeds):
+        json_int(seed, f"budget.screen_seeds[{i}]")
+    if len(set(seeds) | set(screen_seeds)) != len(seeds) + len(screen_seeds):
+        refuse_field("budget.screen_seeds", screen_seeds,
+                     "distinct seeds, none of them a calibration draw's (budget.seeds)")
     candidates = json_list(budget.get("candidates", MISSING), "budget.candidates",
                            "a non-empty array of measured configurations", min_length=1)
-    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws)
+    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws, len(screen_seeds))
                for i, c in enumerate(candidates)]
     model = json_str(budget.get("model", MISSING), "budget.model")
     if model in PIPELINES:  # a profile of another model is refused by the run that reads it
@@ -323,8 +364,9 @@ def check(profile) -> dict:
     return budget
 
 
-def _check_candidate(c, where: str, draws: int) -> CMConfig:
-    json_object(c, where, "an object: label, config, rel_l2, computed")
+def _check_candidate(c, where: str, draws: int, screen_draws: int) -> CMConfig:
+    json_object(c, where, "an object: label, config, rel_l2, computed (and screen where it was "
+                          "screened)")
     label = json_str(c.get("label", MISSING), f"{where}.label")
     fields = json_object(c.get("config", MISSING), f"{where}.config",
                          "an object, a partial CMConfig as a preset gives one")
@@ -332,8 +374,20 @@ def _check_candidate(c, where: str, draws: int) -> CMConfig:
         config = config_from_fields(fields)
     except ConfigError as exc:
         raise FieldError(f"{where}.config: {exc}") from None
+    _check_draws(c, where, label, draws, "budget.seeds")
+    if "screen" in c:
+        if not screen_draws:
+            refuse_field(f"{where}.screen", c["screen"], "no screen: budget.screen_seeds is empty")
+        screen = json_object(c["screen"], f"{where}.screen", "an object: rel_l2, computed")
+        ran = screen.get("rel_l2")
+        ran = len(ran) if isinstance(ran, list) and 1 <= len(ran) <= screen_draws else screen_draws
+        _check_draws(screen, f"{where}.screen", label, ran, "the first screen draws (budget.screen_seeds)")
+    return config
+
+
+def _check_draws(c, where: str, label: str, draws: int, seeds: str) -> None:
     errors = json_list(c.get("rel_l2", MISSING), f"{where}.rel_l2",
-                       f"{draws} relative L2 errors, one per draw of budget.seeds", length=draws)
+                       f"{draws} relative L2 errors, one per draw of {seeds}", length=draws)
     for k, e in enumerate(errors):
         # NaN or Infinity: the configuration diverged on that draw (calibrate writes it so)
         if not (isinstance(e, int | float) and not isinstance(e, bool)
@@ -341,8 +395,7 @@ def _check_candidate(c, where: str, draws: int) -> CMConfig:
             refuse_field(f"{where}.rel_l2[{k}]", e, "a relative L2 error >= 0 (NaN or Infinity "
                                                     "where the run diverged)")
     fractions = json_list(c.get("computed", MISSING), f"{where}.computed",
-                          f"{draws} computed fractions, one per draw of budget.seeds",
-                          length=draws)
+                          f"{draws} computed fractions, one per draw of {seeds}", length=draws)
     for k, f in enumerate(fractions):
         json_number(f, f"{where}.computed[{k}]", minimum=0.0, maximum=1.0,
                     expected="the fraction of block evaluations computed, in [0, 1]")
@@ -354,7 +407,6 @@ def _check_candidate(c, where: str, draws: int) -> CMConfig:
                                                     f"that draw, computing {f:.3g} of them, and a "
                                                     "reuse never reproduces the uncached run "
                                                     "exactly); calibrate again")
-    return config
 
 
 def _check_blocks(candidates, configs, model: str, blocks: int) -> None:
@@ -368,6 +420,29 @@ def _check_blocks(candidates, configs, model: str, blocks: int) -> None:
             refuse_field(where, c["config"][key] if key else c["config"],
                          f"probe blocks ({fn}) + tail blocks ({bn}) <= {blocks}, the {model} "
                          "model's blocks (budget.model)")
+
+
+def screen(budget: dict, seeds, run, done=None) -> dict:
+    """The budget block screened on the draws `seeds` (see the module's text); run(candidate,
+    seed) -> (final-latent rel L2 against the uncached run of that draw, computed fraction);
+    done(candidate), if given, once each candidate's screen is in."""
+    seeds = list(seeds)
+    candidates = [dict(c) for c in budget["candidates"]]
+    block = {**budget, "screen_seeds": seeds, "candidates": candidates}
+    while todo := sorted(i for i in reachable(block) if "screen" not in candidates[i]):
+        promised = bounds(candidates)
+        for i in todo:
+            errors, fractions = [], []
+            for seed in seeds:
+                error, fraction = run(candidates[i], seed)
+                errors.append(error)
+                fractions.append(fraction)
+                if not error <= promised[i]:  # over its promise, or diverged (NaN)
+                    break
+            candidates[i]["screen"] = {"rel_l2": errors, "computed": fractions}
+            if done is not None:
+                done(candidates[i])
+    return block
 
 
 def computed_bound(computed) -> float:
@@ -385,20 +460,39 @@ def computed_bound(computed) -> float:
     return min(1.0, max(max(computed), mean + t95(n - 1) * spread * math.sqrt(1.0 + 1.0 / n)))
 
 
+def _choices(budget: dict) -> list[tuple[int, Choice]]:
+    """(index in budget.candidates, Choice) of every configuration a target may choose."""
+    # a configuration that computed every block on every draw is the uncached run by another
+    # name: it promises nothing about caching (issue 39: such a choice was reported as a technique)
+    measured = [(i, c) for i, c in enumerate(budget["candidates"])
+                if all(math.isfinite(e) for e in errors_of(c)) and min(computed_of(c)) < 1.0]
+    found = bounds([c for _, c in measured])
+    return [(i, Choice(c["label"], c["config"], bound, sum(computed_of(c)) / len(computed_of(c)),
+                       computed_bound(computed_of(c))))
+            for (i, c), bound in zip(measured, found, strict=True)]
+
+
+def _pick(choices, rel_err, speedup):
+    if rel_err is not None:
+        within = [x for x in choices if x[1].bound <= rel_err]
+        return min(within, key=lambda x: (x[1].computed, x[1].bound), default=None)
+    fast = [x for x in choices if x[1].computed_bound * speedup <= 1.0 + 1e-9]
+    return min(fast, key=lambda x: (x[1].bound, x[1].computed), default=None)
+
+
 def choose(budget: dict, *, rel_err: float | None = None,
            speedup: float | None = None) -> Choice | None:
     """The configuration for one target, or None when caching cannot promise it (run uncached)."""
     if (rel_err is None) == (speedup is None):
         raise BudgetError("give one target: a relative-error budget or a speedup")
-    # a configuration that computed every block on every draw is the uncached run by another
-    # name: it promises nothing about caching (issue 39: such a choice was reported as a technique)
-    measured = [c for c in budget["candidates"] if all(math.isfinite(e) for e in c["rel_l2"])
-                and min(c["computed"]) < 1.0]
-    choices = [Choice(c["label"], c["config"], bound, sum(c["computed"]) / len(c["computed"]),
-                      computed_bound(c["computed"]))
-               for c, bound in zip(measured, bounds(measured), strict=True)]
-    if rel_err is not None:
-        within = [c for c in choices if c.bound <= rel_err]
-        return min(within, key=lambda c: (c.computed, c.bound), default=None)
-    fast = [c for c in choices if c.computed_bound * speedup <= 1.0 + 1e-9]
-    return min(fast, key=lambda c: (c.bound, c.computed), default=None)
+    picked = _pick(_choices(budget), rel_err, speedup)
+    return None if picked is None else picked[1]
+
+
+def reachable(budget: dict) -> set[int]:
+    """The candidates (indices) that some target chooses: an error budget's choice changes only
+    at a bound, a speedup's only at a computed bound, so trying those targets tries them all."""
+    choices = _choices(budget)
+    picks = [_pick(choices, c.bound, None) for _, c in choices]
+    picks += [_pick(choices, None, 1.0 / c.computed_bound) for _, c in choices if c.computed_bound > 0]
+    return {x[0] for x in picks if x is not None}

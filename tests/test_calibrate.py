@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from cache import CMConfig, ConfigError, TeaCacheConfig
 from commands import calibrate
@@ -145,6 +146,92 @@ def test_choose_takes_the_cheapest_configuration_whose_bound_keeps_the_budget():
         choose(budget, rel_err=0.1, speedup=2.0)
 
 
+def test_the_order_bound_is_the_max_below_39_draws_then_a_high_order_statistic():
+    from sampling.budget import order_bound
+    assert order_bound([3e-3, 1e-3, 2e-3]) == 3e-3
+    errors = [float(k) for k in range(1, 60)]
+    assert order_bound(errors[:38]) == 38.0  # ceil(0.95 x 39) = 38: the largest
+    assert order_bound(errors[:39]) == 38.0  # ceil(0.95 x 40) = 38: the second largest
+    assert order_bound(errors[:59]) == 57.0  # ceil(0.95 x 60) = 57: the third largest
+
+
+def screened(c, errors, computed=None):
+    return {**c, "screen": {"rel_l2": errors, "computed": computed or [c["computed"][0]] * len(errors)}}
+
+
+def test_a_configuration_that_flips_a_screen_draw_is_no_longer_chosen():
+    """The trained HunyuanVideo-1.5 twin (issue 39): a schedule steady on 3 calibration draws
+    moved one held-out prompt's object (rel L2 0.24 against a budget of 0.03); screened on more
+    draws, a flip there takes it out, and a steady configuration earns a tighter bound."""
+    from sampling.budget import bounds, choose
+    flipper = candidate("flipper", [6e-3, 7e-3, 6.5e-3], [0.3] * 3)
+    steady = candidate("steady", [8e-3, 9e-3, 8.5e-3], [0.4] * 3)
+    base = {"candidates": [flipper, steady]}
+    assert choose(base, rel_err=0.03).label == "flipper"
+    calm = [6e-3 + 1e-4 * k for k in range(19)]
+    after = {"candidates": [screened(flipper, calm + [0.24]),
+                            screened(steady, [8e-3 + 1e-4 * k for k in range(20)])]}
+    flipped, kept = bounds(after["candidates"])
+    assert flipped >= 0.24  # the bound is at least the worst of 23 draws
+    assert kept < bounds(base["candidates"])[1]  # 23 draws: t(22) 1.72 where 3 gave 2.92
+    chosen = choose(after, rel_err=0.03)
+    assert (chosen.label, chosen.bound) == ("steady", kept)
+    assert choose(after, rel_err=0.3).label == "flipper"  # a budget above the flip keeps it
+    # a screen draw's computed fraction counts toward the speedup it promises
+    slow = screened(steady, [8e-3] * 20, [0.4] * 19 + [0.6])
+    assert choose({"candidates": [slow]}, speedup=2.4) is None
+    # a screen draw that diverged takes the configuration out, as a calibration draw's does
+    broken = screened(flipper, calm + [float("inf")])
+    assert choose({"candidates": [broken, steady]}, rel_err=0.03).label == "steady"
+
+
+def test_screening_stops_a_configuration_at_its_first_broken_promise_and_rechooses():
+    from sampling.budget import bounds, choose, reachable, screen
+    budget = {"candidates": [
+        candidate("cheap flipper", [2e-2, 1e-2, 1.5e-2], [0.2] * 3),
+        candidate("flipper", [6e-3, 7e-3, 6.5e-3], [0.3] * 3),
+        candidate("steady", [8e-3, 9e-3, 8.5e-3], [0.4] * 3),
+        candidate("dominated", [9e-3, 1e-2, 9.5e-3], [0.5] * 3),  # never chosen: never screened
+        candidate("careful", [1e-3, 1.1e-3, 1.2e-3], [0.6] * 3)]}
+    promised = bounds(budget["candidates"])
+    flips = {"cheap flipper": 11, "flipper": 12}  # the draw each one flips on
+    calls = []
+
+    def run(c, seed):
+        calls.append((c["label"], seed))
+        base = c["rel_l2"][0]
+        return (0.24 if flips.get(c["label"]) == seed else base, c["computed"][0])
+
+    done = []
+    screened = screen(budget, range(10, 30), run, lambda c: done.append(c["label"]))
+    assert "screen" not in budget["candidates"][0]  # the input is left as it was
+    got = {c["label"]: c.get("screen", {}).get("rel_l2") for c in screened["candidates"]}
+    assert got["cheap flipper"] == [2e-2, 0.24] and got["flipper"] == [6e-3, 6e-3, 0.24]
+    assert got["steady"] == [8e-3] * 20 and got["careful"] == [1e-3] * 20
+    assert got["dominated"] is None and not any(label == "dominated" for label, _ in calls)
+    assert sorted(done) == ["careful", "cheap flipper", "flipper", "steady"] and len(calls) == 45
+    assert screened["screen_seeds"] == list(range(10, 30))
+    # before: the flipper met 0.03; after: it broke that promise, and steady, screened, does
+    assert choose(budget, rel_err=0.03).label == "flipper" and promised[1] < 0.03
+    assert choose(screened, rel_err=0.03).label == "steady"
+    assert all("screen" in screened["candidates"][i] for i in reachable(screened))
+
+
+def test_reachable_is_every_configuration_some_target_chooses():
+    from sampling.budget import choose, reachable
+    budget = {"candidates": [
+        candidate("careful", [1e-3, 1.1e-3, 1.2e-3], [0.6] * 3),
+        candidate("dominated", [2e-3, 2.1e-3, 2.2e-3], [0.7] * 3),  # worse and dearer
+        candidate("cheap", [4e-3, 5e-3, 4.5e-3], [0.3, 0.35, 0.3]),
+        candidate("cheaper", [2e-2, 1e-2, 1.5e-2], [0.2] * 3),
+        candidate("never", [0.0] * 3, [1.0] * 3)]}
+    labels = [c["label"] for c in budget["candidates"]]
+    picks = [choose(budget, rel_err=10 ** (k / 50)) for k in range(-250, 50)]
+    picks += [choose(budget, speedup=1 + k / 100) for k in range(0, 900)]
+    chosen = {c.label for c in picks if c is not None}
+    assert {labels[i] for i in reachable(budget)} == chosen == {"careful", "cheap", "cheaper"}
+
+
 def test_a_speedup_is_promised_by_a_bound_on_the_computed_fraction():
     from sampling.budget import computed_bound
     assert computed_bound([0.5, 0.5, 0.5]) == 0.5  # a static schedule: the same on every draw
@@ -229,6 +316,18 @@ def test_a_budget_profile_it_cannot_use_is_refused(tmp_path):
         load(str(one))
     with pytest.raises(BudgetError, match="cannot read it"):
         load(str(tmp_path / "missing.json"))
+    # screen draws: their own seeds, and a screen only where they exist, of 1 to that many draws
+    import re
+    two = candidate("x", [1e-3, 2e-3], [0.5, 0.5])
+    for seeds, one, field in [([2, 3], two, "budget.screen_seeds"),
+                              ([], screened(two, [1e-3]), "budget.candidates[0].screen"),
+                              ([3, 4], screened(two, [1e-3] * 3), "budget.candidates[0].screen.rel_l2"),
+                              ([3, 4], screened(two, []), "budget.candidates[0].screen.rel_l2")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"budget": {"format": 2, "model": "m", "seeds": [1, 2], "steps": 4,
+                                              "screen_seeds": seeds, "candidates": [one]}}))
+        with pytest.raises(BudgetError, match=re.escape(field) + " "):
+            load(str(bad))
 
 
 SMALL_SPACE = (  # three configurations of the shipped space, so the test stays short
@@ -267,3 +366,37 @@ def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_p
     assert report["budget"]["bound_rel_err"] == pytest.approx(expected.bound)
     assert report["time"]["cached_steps"] > 0
     assert report["compare"]["rel_l2"] <= target  # seed 0 was not a calibration draw
+
+
+def test_screening_runs_every_configuration_a_target_chooses_on_the_further_draws(tmp_path,
+                                                                                  monkeypatch):
+    from sampling import budget
+    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    path = tmp_path / "profile.json"
+    assert calibrate.main(["--model", "wan-tiny-ti2v", "--samples", "2", "--first_seed", "1",
+                           "--num_inference_steps", "12", "--budget", "--screen_draws", "2",
+                           "--out", str(path)]) == 0
+    measured = budget.load(str(path))
+    assert measured["seeds"] == [1, 2] and measured["screen_seeds"] == [3, 4]
+    screened = {i for i, c in enumerate(measured["candidates"]) if "screen" in c}
+    assert screened and budget.reachable(measured) <= screened
+    # the screen's figures are those configurations' runs on seeds 3 and 4, as a calibration
+    # on those seeds measures them
+    pipe = get_pipeline("wan-tiny-ti2v")
+    shape = pipe.latent_shape(*pipe.size)
+    model = calibrate.load_models(pipe, None, torch.float32)
+    again = calibrate.measure_space(
+        lambda plan: TorchBackend(model, plan), pipe,
+        {seed: pipe.synthesize(shape, True, False, seed) for seed in (3, 4)}, shape, steps=12,
+        solver=pipe.solver, shift=pipe.shift,
+        space=[(measured["candidates"][i]["label"], measured["candidates"][i]["config"])
+               for i in sorted(screened)])
+    for i, m in zip(sorted(screened), again, strict=True):
+        assert measured["candidates"][i]["screen"] == {"rel_l2": pytest.approx(m["rel_l2"]),
+                                                      "computed": m["computed"]}
+
+
+def test_screen_draws_need_the_budget(tmp_path, capsys):
+    assert calibrate.main(["--model", "wan-tiny-ti2v", "--screen_draws", "2",
+                           "--out", str(tmp_path / "p.json")]) == 2
+    assert "--screen_draws 2" in capsys.readouterr().err and not (tmp_path / "p.json").exists()

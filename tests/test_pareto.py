@@ -143,6 +143,10 @@ def test_budget_standing_counts_only_caching_against_a_peer_point_that_exists():
     # the unseen draw that computed 0.44 missed the 2.5x target
     assert "kept 4 of 5" in summary
     assert report.kept("rel_err", 0.01, 0.009, 1.0) and not report.kept("speedup", 2.0, 0.0, 0.51)
+    assert "screened" not in text
+    screened = "\n".join(report.budget_standing(rows, "wan", unseen, tuple(range(34, 64)))[0])
+    assert "calibrated on draws 1, 2, 3 and each configuration a target chooses screened on " \
+           "draws 34-63 (30 draws" in screened
 
 
 def test_mean_over_draws_is_each_draws_own_psnr_averaged():
