@@ -34,3 +34,9 @@ def test_another_checkpoint_needs_the_profile_its_page_calibrated(capsys):
     with pytest.raises(SystemExit) as exc:
         fp.main(["--family", "wan", "--checkpoint", "bench/fixtures/heldout/tiny-wan-ti2v-seed7"])
     assert exc.value.code == 2 and "give --profile too" in capsys.readouterr().err
+
+
+def test_more_draws_must_be_a_count(capsys):
+    with pytest.raises(SystemExit) as exc:
+        fp.main(["--family", "hunyuan", "--more", "-1"])
+    assert exc.value.code == 2 and "--more -1" in capsys.readouterr().err
