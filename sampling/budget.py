@@ -30,8 +30,9 @@ ceil(0.95 (n + 1))-th smallest error, a distribution-free 95% bound for one more
 their max below 39 draws), and the choices measured again, until every configuration a target can
 choose has been screened. A configuration stops at the first screen draw whose error is over the
 bound it had before (it broke the promise it would have been chosen on; its bound is now at least
-that error), so a flipping one drops out after a few draws and a steady one runs them all and
-earns the tighter bound its many draws give. Screened errors sit beside the calibration draws' in
+that error), and goes on from there only if some target still chooses it: a flipping one drops
+out after a few draws, and every configuration a target chooses has run them all (a steady one
+earns the tighter bound its many draws give). Screened errors sit beside the calibration draws' in
 each candidate's "screen" ({"rel_l2": [...], "computed": [...]}, one per screen draw it ran, in
 the order of budget.screen_seeds).
 """
@@ -429,11 +430,15 @@ def screen(budget: dict, seeds, run, done=None) -> dict:
     seeds = list(seeds)
     candidates = [dict(c) for c in budget["candidates"]]
     block = {**budget, "screen_seeds": seeds, "candidates": candidates}
-    while todo := sorted(i for i in reachable(block) if "screen" not in candidates[i]):
+    def ran(i):
+        return len(candidates[i].get("screen", {}).get("rel_l2", ()))
+
+    while todo := sorted(i for i in reachable(block) if ran(i) < len(seeds)):
         promised = bounds(candidates)
-        for i in todo:
-            errors, fractions = [], []
-            for seed in seeds:
+        for i in todo:  # a configuration stopped before and still chosen goes on where it stopped
+            errors = list(candidates[i].get("screen", {}).get("rel_l2", ()))
+            fractions = list(candidates[i].get("screen", {}).get("computed", ()))
+            for seed in seeds[len(errors):]:
                 error, fraction = run(candidates[i], seed)
                 errors.append(error)
                 fractions.append(fraction)
