@@ -15,6 +15,9 @@ on the samples and stores their errors and computed fractions in the same profil
     python calibrate.py --model wan-tiny-ti2v --samples 3 --budget --out profile.json
     python stage2_transformer_flax_deepcache.py --model wan-tiny-ti2v \
         --budget_profile profile.json --budget_rel_err 5e-3 --compare
+
+With --screen_draws N the configurations a target would choose also run on N further draws, so
+one that flips a rare fragile prompt is not chosen (sampling/budget.py screen).
 """
 
 from __future__ import annotations
