@@ -22,8 +22,8 @@ With 3 draws t is 2.92, so a configuration whose errors spread by a factor 1.5 p
 
 Screening (`--screen_draws N`). On trained weights a prompt can be fragile: most caching that errs
 more than a little elsewhere moves its object to another place (a rel L2 of 0.15-0.5 where other
-draws give 0.005), so a bound learned from 3 ordinary draws promised 0.03 and a held-out prompt
-gave 0.24 (bench/results/fragile_prompts_hunyuan.md). Such flips are rare and differ by prompt and
+draws give 0.005), so on the trained HunyuanVideo-1.5 twin a bound learned from 3 ordinary draws
+promised 0.03 and a held-out prompt gave 0.24 (before screening). Such flips are rare and differ by prompt and
 configuration; a few draws do not see them. So every configuration that some target would choose
 is run again on N further draws, its bound taken over all its draws (and at least their
 ceil(0.95 (n + 1))-th smallest error, a distribution-free 95% bound for one more draw, which is
