@@ -136,17 +136,20 @@ def budget_profile(wl: Workload, path: str) -> dict:
     from commands import calibrate
     from sampling import budget
 
+    def backend(plan):
+        return TorchBackend({None: wl.model}, plan)
+
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     candidates = calibrate.measure_space(
-        lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, draws, wl.shape,
+        backend, wl.pipe, draws, wl.shape,
         steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift,
         space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
     block = calibrate.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
                                    steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
         block = calibrate.screen_space(
-            lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, block,
-            {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS}, wl.shape)
+            backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
+            wl.shape)
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})
     return block
 

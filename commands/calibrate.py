@@ -111,30 +111,43 @@ def _runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
     return once
 
 
-def _measure(once, space, tensors_by_seed, title, log, refs):
-    """[{label, config, rel_l2: [per draw], computed: [per draw]}] of every (label, fields) of
-    `space` on every draw, each against the uncached run of the same draw (refs: seed -> its
-    final latents, run here where missing)."""
-    from cache.flags import config_from_fields
+def _scorer(once, tensors_by_seed):
+    """score(config, seed) -> (final-latent rel L2 against the uncached run of the same draw,
+    computed fraction); each draw's uncached run once, when first needed."""
     from sampling.fidelity import fidelity
 
+    refs = {}
+
+    def score(config, seed):
+        tensors = tensors_by_seed[seed]
+        if seed not in refs:
+            refs[seed] = once(CMConfig(), seed, tensors)[0]
+        latents, fraction = once(config, seed, tensors)
+        return float(fidelity(latents, refs[seed])["rel_l2"]), float(fraction)
+
+    return score
+
+
+def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
+                  space, log=None):
+    """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
+    the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
+    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
+    from cache.flags import config_from_fields
+
+    score = _scorer(_runner(make_backend, pipe, latent_shape, steps=steps, solver=solver,
+                            shift=shift), tensors_by_seed)
     out = []
-    missing = [seed for seed in tensors_by_seed if seed not in refs]
-    runs = len(missing) + len(tensors_by_seed) * len(space)
-    with progress.bar(runs, title, unit="run") as shown:
-        for seed in missing:
-            t = tensors_by_seed[seed]
-            shown.set_postfix_str(f"uncached, seed {seed}", refresh=False)
-            refs[seed] = once(CMConfig(), seed, t)[0]
-            shown.update(1)
+    with progress.bar(len(tensors_by_seed) * len(space), "calibrating (configuration x draw)",
+                      unit="run") as shown:
         for label, fields in space:
             config = config_from_fields(fields)
             errors, fractions = [], []
-            for seed, tensors in tensors_by_seed.items():
+            for seed in tensors_by_seed:
                 shown.set_postfix_str(f"{label}, seed {seed}", refresh=False)
-                latents, fraction = once(config, seed, tensors)
-                errors.append(float(fidelity(latents, refs[seed])["rel_l2"]))
-                fractions.append(float(fraction))
+                error, fraction = score(config, seed)
+                errors.append(error)
+                fractions.append(fraction)
                 shown.update(1)
             out.append({"label": label, "config": fields, "rel_l2": errors, "computed": fractions})
             if log is not None:
@@ -143,33 +156,19 @@ def _measure(once, space, tensors_by_seed, title, log, refs):
     return out
 
 
-def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
-                  space, log=None):
-    """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
-    the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
-    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
-    once = _runner(make_backend, pipe, latent_shape, steps=steps, solver=solver, shift=shift)
-    return _measure(once, space, tensors_by_seed, "calibrating (configuration x draw)", log, {})
-
-
 def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, log=None) -> dict:
     """Budgeted mode's screening (sampling/budget.py screen): every candidate that some target
     chooses run on the screen draws too, against their uncached runs, until the choices are all
     screened."""
     from cache.flags import config_from_fields
-    from sampling.fidelity import fidelity
 
-    once = _runner(make_backend, pipe, latent_shape, steps=block["steps"],
-                   solver=block["solver"], shift=block["shift"])
-    refs = {}  # the uncached screen runs, once each
+    score = _scorer(_runner(make_backend, pipe, latent_shape, steps=block["steps"],
+                            solver=block["solver"], shift=block["shift"]), screen_tensors)
 
     def run(candidate, seed):
-        if seed not in refs:
-            refs[seed] = once(CMConfig(), seed, screen_tensors[seed])[0]
         shown.set_postfix_str(f"{candidate['label']}, seed {seed}", refresh=False)
-        latents, fraction = once(config_from_fields(candidate["config"]), seed, screen_tensors[seed])
         shown.update(1)
-        return float(fidelity(latents, refs[seed])["rel_l2"]), float(fraction)
+        return score(config_from_fields(candidate["config"]), seed)
 
     def done(c):
         if log is not None:

@@ -471,10 +471,12 @@ def _choices(budget: dict) -> list[tuple[int, Choice]]:
     # name: it promises nothing about caching (issue 39: such a choice was reported as a technique)
     measured = [(i, c) for i, c in enumerate(budget["candidates"])
                 if all(math.isfinite(e) for e in errors_of(c)) and min(computed_of(c)) < 1.0]
-    found = bounds([c for _, c in measured])
-    return [(i, Choice(c["label"], c["config"], bound, sum(computed_of(c)) / len(computed_of(c)),
-                       computed_bound(computed_of(c))))
-            for (i, c), bound in zip(measured, found, strict=True)]
+    out = []
+    for (i, c), bound in zip(measured, bounds([c for _, c in measured]), strict=True):
+        computed = computed_of(c)
+        out.append((i, Choice(c["label"], c["config"], bound, sum(computed) / len(computed),
+                              computed_bound(computed))))
+    return out
 
 
 def _pick(choices, rel_err, speedup):
