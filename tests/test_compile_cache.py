@@ -1,5 +1,5 @@
 """A second run with the persistent compilation cache compiles nothing: stage 2 and stage 3 on the
-tiny default model, one process each, and a two-process stage 2. Each run is a fresh process;
+tiny default model, one process each, and the whole job on two processes. Each run is a fresh process;
 `compiled` is what the XLA compiler compiled in it, not served by the cache (tpu/compile.py), so
 the first run's count is above 0 and the second's is 0. Every compile of a first run leaves one
 entry in the folder (none is skipped by JAX's size or compile-time thresholds, none by process)."""
@@ -78,24 +78,6 @@ def _two_processes(tmp_path, run, args) -> list[dict]:
     return [json.loads(r.read_text())["compiles"] for r in records]
 
 
-def _two_process_stage2(tmp_path, cache, run):
-    """A stage 2 on 2 processes (CFG parallel): each process's compile counts."""
-    return _two_processes(tmp_path, run, [*STAGE2[2:], "--cfg_parallel", "--compile_cache_dir",
-                                          str(cache), "--output_dir", str(tmp_path / run)])
-
-
-def test_a_second_two_process_stage2_run_compiles_nothing_on_either_process(tmp_path):
-    """JAX writes the cache from process 0 alone; on CPU every key is the process's own (its CPU
-    topology fingerprint is in it), so process 1 writes its entries itself (tpu.compile
-    write_own_entries), and on the second run neither process compiles."""
-    cache = tmp_path / "jax-cache"
-    first = _two_process_stage2(tmp_path, cache, "first")
-    assert all(c["compiled"] > 0 for c in first), first
-    assert _entries(cache) == sum(c["compiled"] for c in first)
-    second = _two_process_stage2(tmp_path, cache, "second")
-    assert [c["compiled"] for c in second] == [0, 0], second
-
-
 def _two_process_job(tmp_path, cache, run):
     """(each process's compile counts, process 0's summary) of the whole job (stages 1 to 3,
     `generate`) on 2 processes (CFG parallel), one prompt; process 0 decodes."""
@@ -110,12 +92,16 @@ def _two_process_job(tmp_path, cache, run):
 
 def test_a_second_two_process_job_compiles_nothing_in_stage2_or_stage3(tmp_path):
     """The whole job on two processes: the second run compiles nothing on either process, the
-    decode's programs included. (Was: 1 a process, the programs the processes agree on each
-    prompt's state with, compiled before stage 2 turned the cache on.)"""
+    decode's programs included. JAX writes the cache from process 0 alone; on CPU every key is
+    the process's own (its CPU topology fingerprint is in it), so process 1 writes its entries
+    itself (tpu.compile write_own_entries): one entry for each compile of either process. (Was:
+    1 a process, the programs the processes agree on each prompt's state with, compiled before
+    stage 2 turned the cache on.)"""
     cache = tmp_path / "jax-cache"
     first, summary = _two_process_job(tmp_path, cache, "first")
     assert all(c["compiled"] > 0 for c in first), first
     assert summary["stage3"][0]["compiles"]["prepare"]["compiled"] > 0, summary["stage3"]
+    assert _entries(cache) == sum(c["compiled"] for c in first)
     second, summary = _two_process_job(tmp_path, cache, "second")
     assert [c["compiled"] for c in second] == [0, 0], second
     assert summary["stage3"][0]["compiles"]["prepare"]["compiled"] == 0, summary["stage3"]
