@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -162,3 +164,22 @@ def test_jitted_model_forward_matches_torch_eager(registry_restored, monkeypatch
         got = jitted(*env.to_xla(args)).torch()
     assert traced, f"{impl} was not called: the forward did not dispatch through ops.attention"
     assert got.shape == want.shape and rel_err(got, want) < 1e-5
+
+
+def test_the_fused_cudnn_kernel_is_chosen_on_a_gpu_only_where_it_applies(monkeypatch):
+    """cuDNN flash for an unmasked bf16/fp16 call with a head dim it tiles, on a GPU; XLA for the
+    rest (fp32, a key mask, a head dim over 128 or not a multiple of 8, the CPU, or turned off)."""
+    def q(dtype=jnp.bfloat16, head_dim=128):
+        return jax.ShapeDtypeStruct((1, 16, 2, head_dim), dtype)
+
+    mask = jnp.ones((1, 16), jnp.bool_)
+    assert attention.implementation_for(q(), None, "gpu") == "cudnn"
+    assert attention.implementation_for(q(jnp.float16, 64), None, "gpu") == "cudnn"
+    assert attention.implementation_for(q(jnp.float32), None, "gpu") is None
+    assert attention.implementation_for(q(), mask, "gpu") is None
+    assert attention.implementation_for(q(head_dim=256), None, "gpu") is None
+    assert attention.implementation_for(q(head_dim=60), None, "gpu") is None
+    assert attention.implementation_for(q(), None, "cpu") is None
+    assert attention.implementation_for(q(), None) is None  # this machine's JAX: the CPU
+    monkeypatch.setattr(attention, "fused_on_gpu", False)
+    assert attention.implementation_for(q(), None, "gpu") is None

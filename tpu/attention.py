@@ -65,20 +65,44 @@ def block_sizes(device_kind: str | None = None) -> tuple[int, int, int]:
 
 # --- jax.nn.dot_product_attention ---------------------------------------------------------------
 
-@jax.jit
-def _dot_product_attention_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS):
+# cuDNN's fused flash kernel takes half-precision q/k/v with a head dim it tiles (a multiple of
+# 8, at most 128; the Wan and HunyuanVideo-1.5 DiTs use 128) and no general mask.
+FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+FUSED_MAX_HEAD_DIM = 128
+fused_on_gpu = True  # bench.gpu's smoke phase turns it off where the kernel fails on that card
+
+
+def implementation_for(q_BLNH, key_mask_BS, platform: str | None = None) -> str | None:
+    """`jax.nn.dot_product_attention`'s implementation for these operands: "cudnn" (the fused
+    flash kernel) on a GPU for an unmasked half-precision call it supports, else None (XLA's,
+    which holds every score). A masked call (text keys with padding) stays on XLA: cuDNN's
+    masks are prefix lengths, and HunyuanVideo's valid keys are not a prefix."""
+    platform = platform or jax.default_backend()
+    head_dim = q_BLNH.shape[-1]
+    if (platform == "gpu" and fused_on_gpu and key_mask_BS is None
+            and q_BLNH.dtype in FUSED_DTYPES and head_dim % 8 == 0
+            and head_dim <= FUSED_MAX_HEAD_DIM):
+        return "cudnn"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def _dot_product_attention_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS, implementation=None):
     # A general boolean mask, not key_value_seq_lengths: the latter keeps a prefix of the keys,
     # and HunyuanVideo's valid keys are [image | vision | byT5 | text], each with its own padding.
     mask_B11S = None if key_mask_BS is None else key_mask_BS.astype(jnp.bool_)[:, None, None, :]
-    out = jax.nn.dot_product_attention(q_BLNH, k_BSNH, v_BSNH, mask=mask_B11S)
+    out = jax.nn.dot_product_attention(q_BLNH, k_BSNH, v_BSNH, mask=mask_B11S,
+                                       implementation=implementation)
     return out.astype(q_BLNH.dtype)
 
 
 def dot_product_attention(q_BLNH: torch.Tensor, k_BSNH: torch.Tensor, v_BSNH: torch.Tensor,
                           key_mask_BS: torch.Tensor | None = None) -> torch.Tensor:
-    """`ops.attention` through `jax.nn.dot_product_attention` (XLA; the CPU/GPU lowering)."""
+    """`ops.attention` through `jax.nn.dot_product_attention`: the CPU/GPU lowering, cuDNN's
+    fused kernel on a GPU where it applies (`implementation_for`), XLA's otherwise."""
     q, k, v, key_mask = _to_jax(q_BLNH, k_BSNH, v_BSNH, key_mask_BS)
-    return _interop.torch_view(_dot_product_attention_jax(q, k, v, key_mask))
+    return _interop.torch_view(_dot_product_attention_jax(
+        q, k, v, key_mask, implementation=implementation_for(q, key_mask)))
 
 
 # --- splash attention (Pallas TPU kernel) -------------------------------------------------------
