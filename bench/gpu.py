@@ -1,0 +1,596 @@
+"""One prepared command for a GPU machine (one H100 or H200, minutes of device time at a time):
+the JAX backend and the torch backend on CUDA at real size, beside diffusers on the same card.
+
+    python -m bench.gpu                 # on the GPU machine: every phase, then the page
+    python -m bench.gpu --tiny          # the same code on the CPU, tiny models (the test suite)
+    python -m bench.gpu --plan_only     # no device: the page's plan (tokens, FLOPs, seconds)
+
+Phases, each in its own process: importing torchax renames torch's private device, which breaks
+torch.compile in the same process (commands/stage2_backend.make_backend), and a phase that
+fails or hangs leaves the others' figures. Every phase writes one JSON; the page is built
+from them.
+
+- smoke (< 1 min): versions, devices, the APIs our code calls (jax.shard_map, jax.set_mesh,
+  torchax), and cuDNN's fused attention against XLA's on one bf16 call. A failure stops the
+  command there and prints it, so device time is not spent on an import error.
+- check: the built-in trained model (wan-tiny-trained) sampled on the device and on the CPU,
+  through the JAX backend and the torch backend, TeaCache on: final latents within CHECK_TOL
+  (rel L2; fp32 at the highest matmul precision, no TF32), the gate's decisions identical,
+  0 compiles in the JAX loop.
+- jax: Wan2.2 TI2V-5B at real size, seeded random bf16 weights drawn on the device (no 10 GB
+  transfer), per size uncached and cached (DeepCache 11/45/4 scaled to the steps, TeaCache),
+  interleaved over rounds, warm-up excluded; compile seconds cold and warm (from the
+  persistent cache, after jax.clear_caches), peak device memory.
+- torch: the same sizes through our torch backend, eager and compiled, and diffusers'
+  WanTransformer3DModel holding the same weights (its SDPA), interleaved in one process.
+
+Writes bench/results/gpu.json and bench/results/gpu.md (with --tiny only where --out names a
+folder), again after every phase, so a command cut short keeps what finished. Without a GPU
+(and without --tiny) the smoke phase says so, nothing is written, and it exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PHASES = ("smoke", "check", "jax", "torch")
+REAL, TINY = "wan2.2-ti2v-5b", "wan-tiny-ti2v"
+CHECK_MODEL = "wan-tiny-trained"  # the built-in trained model (sampling.pipelines.DEFAULT_PIPELINE)
+CHECK_TOL = 1e-3  # rel L2 of the final latents, device against CPU (fp32, highest precision)
+SEED = 0
+
+
+class Size(SimpleNamespace):
+    """One size the timing phases run: pixels, steps, rounds and the cached runs beside uncached."""
+
+
+def sizes(tiny: bool) -> dict[str, Size]:
+    """label -> Size. 480p is TI2V-5B's 832x480, 81 frames; 720p-class its 1280x704, 121 frames
+    (31 x 22 x 40 = 27,280 tokens), timed uncached and eager only: the cached runs' ratio to
+    their ideal does not need it, and the device time has no room for more compiles."""
+    if tiny:
+        from sampling.pipelines import get_pipeline
+        # torch.compile of even the tiny model takes a minute on a CPU (inductor's C++ build);
+        # tests/test_torch_backend.py covers the compiled path, so the tiny mode leaves it out
+        return {"tiny": Size(pixels=get_pipeline(TINY).size, steps=4, rounds=2,
+                             cached=("deepcache", "teacache"), compiled=False)}
+    return {"480p": Size(pixels=(480, 832, 81), steps=6, rounds=2, cached=("deepcache", "teacache"),
+                         compiled=True),
+            "720p": Size(pixels=(704, 1280, 121), steps=3, rounds=1, cached=(), compiled=False)}
+
+
+# --- the plan: what the timing phases cost, by arithmetic ---------------------------------------
+
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak of an H100 SXM (H200: the same chip)
+ASSUMED_MFU = 0.35  # share of that peak a DiT step is assumed to reach (plan only, not a result)
+# Compile seconds per program set, estimates (the run measures them): the JAX set of TI2V-5B
+# (probe, scanned middle, tail, helpers) took 146 s compiled by libtpu for 8 chips on our
+# shared 2-core machine (bench/results/tpu_aot.md), about a third of that on a 16-core GPU host;
+# torch.compile (dynamo and inductor over one stage's graph) about twice the JAX set.
+COMPILE_SECONDS = {"jax": 45.0, "torch_compile": 90.0}
+FIXED_SECONDS = {"smoke": 30.0, "check": 40.0, "jax startup and weights": 30.0,
+                 "torch startup and weights": 30.0}
+DEVICE_MINUTES = 8.0  # the plan must fit this; the device tool allows 10 a command
+
+
+def call_flops(cfg, tokens: int) -> float:
+    """FLOPs of one model call: per block, self-attention's q/k/v/o and the cross-attention's q/o
+    projections and the FFN on every image token (2 FLOPs a multiply-add), the cross-attention's
+    k/v on the text tokens, and the attention products (QK^T and PV: 4 * L * S * dim)."""
+    d, f, text = cfg.dim, cfg.ffn_dim, cfg.text_len
+    per_token = 2 * (4 * d * d + 2 * d * d + 2 * d * f)
+    text_kv = 2 * 2 * d * d * text
+    attention = 4 * tokens * tokens * d + 4 * tokens * text * d
+    return cfg.num_layers * (tokens * per_token + text_kv + attention)
+
+
+def plan(tiny: bool = False) -> dict:
+    """Token counts, FLOPs per step and expected seconds of every timed run, and the total."""
+    from modules.registry import build_model
+    from sampling.pipelines import get_pipeline
+
+    pipe = get_pipeline(TINY if tiny else REAL)
+    cfg = build_model(pipe.experts[0][1], meta=True).config
+    rows, total = [], dict(FIXED_SECONDS)
+    for label, size in sizes(tiny).items():
+        shape = pipe.latent_shape(*size.pixels)
+        tokens = pipe.tokens(shape)
+        step_flops = 2 * call_flops(cfg, tokens)  # CFG: two calls a step
+        step_s = step_flops / (H100_BF16_FLOPS * ASSUMED_MFU)
+        runs = timed_runs(size)
+        # a cached run's steps cost about its computed share; counted whole here (an upper bound)
+        seconds = size.rounds * len(runs) * (size.steps + 1) * step_s  # +1: the warm-up step
+        rows.append(dict(size=label, pixels=size.pixels, latent=list(shape), tokens=tokens,
+                         text_tokens=cfg.text_len, step_tflops=step_flops / 1e12,
+                         expected_step_s=step_s, steps=size.steps, rounds=size.rounds, runs=runs,
+                         expected_run_s=seconds))
+        total[f"runs at {label}"] = seconds
+    total["jax compiles"] = COMPILE_SECONDS["jax"] * sum(len(jax_plans(s)) for s in sizes(tiny).values())
+    total["torch compiles"] = COMPILE_SECONDS["torch_compile"] * sum(
+        len([r for r in timed_runs(s) if r.startswith("torch compiled")]) for s in sizes(tiny).values())
+    return dict(model=pipe.name, blocks=cfg.num_layers, dim=cfg.dim, ffn=cfg.ffn_dim, sizes=rows,
+                seconds=total, total_s=sum(total.values()), peak_flops=H100_BF16_FLOPS,
+                assumed_mfu=ASSUMED_MFU, budget_s=DEVICE_MINUTES * 60)
+
+
+def timed_runs(size: Size) -> list[str]:
+    """Every timed run of one size, in the order a round runs them."""
+    runs = ["none", *size.cached]
+    return ([f"jax {c}" for c in runs] + [f"torch eager {c}" for c in runs]
+            + (["torch compiled none"] if size.compiled else []) + ["diffusers none"])
+
+
+def jax_plans(size: Size) -> list[str]:
+    """The runs of one size that get their own JAX backend (weights and programs). The uncached
+    run shares DeepCache's, where there is one: its every step computes probe, middle and tail,
+    as each computed step of a cached run does, and one program set less fits the device time."""
+    return list(size.cached) if "deepcache" in size.cached else ["none", *size.cached]
+
+
+# --- shared helpers ------------------------------------------------------------------------------
+
+def cache_config(name: str, steps: int):
+    """"none", "deepcache" (HunyuanVideo-1.5's 11/45/4 of 50 steps scaled to `steps`) or
+    "teacache" (its defaults)."""
+    from cache import CMConfig, DeepCacheConfig, TeaCacheConfig
+    if name == "none":
+        return CMConfig()
+    if name == "deepcache":
+        return CMConfig(deepcache=DeepCacheConfig(start=round(11 * steps / 50),
+                                                  end=round(45 * steps / 50), interval=4))
+    if name == "teacache":
+        return CMConfig(teacache=TeaCacheConfig())
+    raise ValueError(f"unknown run {name!r}; expected none, deepcache or teacache")
+
+
+def rel_l2(a, b) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def trajectory_row(traj, plan_, *, steps: int) -> dict:
+    """What one timed trajectory reports: per-step seconds, decisions, computed count, compiles."""
+    from sampling.run import layer_ideal
+    s = traj.stats
+    computed = sum(s.step_computed)
+    compiles = traj.loop_compiles
+    return dict(step_seconds=list(s.step_seconds), computed=list(map(bool, s.step_computed)),
+                wall_s=s.wall_seconds, warmup_s=traj.warmup_seconds,
+                loop_compiles=None if compiles is None else compiles.lowered,
+                ideal=layer_ideal(plan_["blocks"], computed, steps - computed, plan_["fn"],
+                                  plan_["bn"]))
+
+
+def summarise(rounds: list[dict]) -> dict:
+    """A run over its rounds: the median wall and step seconds (warm-up excluded), the first
+    round's warm-up (compiles) seconds, every round's decisions equal or not."""
+    first = rounds[0]
+    return dict(wall_s=statistics.median(r["wall_s"] for r in rounds),
+                step_s=statistics.median(t for r in rounds for t in r["step_seconds"]),
+                computed=sum(first["computed"]), steps=len(first["computed"]),
+                decisions_stable=all(r["computed"] == first["computed"] for r in rounds),
+                warmup_s=first["warmup_s"], loop_compiles=[r["loop_compiles"] for r in rounds],
+                ideal=first["ideal"], rounds=len(rounds))
+
+
+# --- phase: smoke --------------------------------------------------------------------------------
+
+class SmokeError(RuntimeError):
+    pass
+
+
+SMOKE_IMPORTS = ("commands.stage2_backend", "sampling.run", "sampling.stages", "tpu.backend",
+                 "tpu.aot_backend", "tpu.compile", "torch_backend.backend", "bench.torch_wan_step",
+                 "bench.gpu_page")
+
+
+def phase_smoke(args) -> dict:
+    began = time.perf_counter()
+    out = {"python": platform.python_version()}
+    import torch
+    out.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
+               cuda_available=torch.cuda.is_available())
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out.update(card=props.name, capability=f"sm_{props.major}{props.minor}",
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    out["driver"] = _driver()
+    import jax
+    out.update(jax=jax.__version__, jax_backend=jax.default_backend(),
+               jax_devices=[d.device_kind for d in jax.devices()])
+    if not args.tiny and (out["jax_backend"] != "gpu" or not out["cuda_available"]):
+        raise SmokeError(f"no GPU here: JAX's backend is {out['jax_backend']}, torch.cuda."
+                         f"is_available() is {out['cuda_available']}; expected both on a GPU "
+                         "machine (run --tiny on a CPU)")
+    missing = [name for name in ("shard_map", "set_mesh") if not hasattr(jax, name)]
+    if missing:
+        raise SmokeError(f"jax {jax.__version__} lacks {', '.join('jax.' + m for m in missing)}, "
+                         "which the sequence-parallel layout calls")
+    from compat.torchax_compat import import_torchax
+    out["torchax"] = getattr(import_torchax(), "__version__", "unknown")
+    import importlib
+    for module in SMOKE_IMPORTS:  # every module the later phases import, so one missing fails here
+        importlib.import_module(module)
+    try:
+        import diffusers
+        out["diffusers"] = diffusers.__version__
+    except ImportError as exc:
+        out["diffusers"] = None
+        out["diffusers_error"] = str(exc)
+    out["fused_attention"] = _fused_attention_check() if out["jax_backend"] == "gpu" else \
+        "not applicable: JAX runs on the CPU"
+    out["seconds"] = time.perf_counter() - began
+    return out
+
+
+def _driver() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def _fused_attention_check() -> dict:
+    """cuDNN's fused kernel against XLA's on one bf16 self-attention call of Wan's head shape."""
+    import jax
+    import jax.numpy as jnp
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 2048, 24, 128), jnp.bfloat16) for i in range(3))
+    want = jax.nn.dot_product_attention(q, k, v, implementation="xla").astype(jnp.float32)
+    try:
+        got = jax.nn.dot_product_attention(q, k, v, implementation="cudnn").astype(jnp.float32)
+        diff = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    except Exception as exc:  # noqa: BLE001 - reported; the timing phases then use XLA's
+        return dict(ok=False, error=f"{type(exc).__name__}: {exc}"[:500])
+    return dict(ok=diff < 2e-2, max_abs_diff_over_max=diff)
+
+
+# --- phase: check (the built-in trained model, device against CPU) ------------------------------
+
+def phase_check(args) -> dict:
+    import torch
+
+    from commands.stage2_backend import load_models
+    from sampling.pipelines import get_pipeline
+    from sampling.run import make_sample, sample_once
+    from sampling.stages import SignalPlan
+
+    pipe = get_pipeline(CHECK_MODEL)
+    steps = 20 if args.tiny else pipe.steps  # the suite's time; on the GPU the pipeline's 50
+    config = cache_config("teacache", steps)
+    plan_ = SignalPlan.from_config(config)
+    shape = pipe.latent_shape(*pipe.size)
+    tensors = pipe.synthesize(shape, True, False, SEED)
+    models = load_models(pipe, None, torch.float32)
+    device = "cpu" if args.tiny else "cuda"
+
+    def sample(backend):
+        s = make_sample(backend, pipe, tensors, shape, image=False, seed=SEED)
+        traj = sample_once(backend, config, s, solver=pipe.solver, steps=steps, shift=pipe.shift)
+        compiles = traj.loop_compiles
+        return (backend.get(traj.latents).float().cpu(), list(map(bool, traj.stats.step_computed)),
+                None if compiles is None else compiles.lowered)
+
+    import jax
+
+    from tpu.backend import JaxBackend
+    runs = {}
+    # JAX first: the torch backend moves the models to its device in place
+    for where, jax_device in (("cpu", jax.devices("cpu")[0]), (device, jax.devices()[0])):
+        with jax.default_device(jax_device), jax.default_matmul_precision("highest"):
+            runs[f"jax {where}"] = sample(JaxBackend(models, plan_))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from torch_backend.backend import TorchBackend
+    for where in ("cpu", device):
+        runs[f"torch {where}"] = sample(TorchBackend(models, plan_, where))
+    out = {"model": CHECK_MODEL, "gate": "TeaCache (defaults)", "steps": steps,
+           "tolerance": CHECK_TOL, "device": device}
+    for backend in ("jax", "torch"):
+        cpu, dev = runs[f"{backend} cpu"], runs[f"{backend} {device}"]
+        out[backend] = dict(rel_l2=rel_l2(dev[0], cpu[0]), decisions_equal=dev[1] == cpu[1],
+                            computed=sum(dev[1]), loop_compiles=dev[2])
+        out[backend]["ok"] = (out[backend]["rel_l2"] <= CHECK_TOL and out[backend]["decisions_equal"]
+                              and dev[2] in (None, 0))
+    out["jax_vs_torch_rel_l2"] = rel_l2(runs[f"jax {device}"][0], runs[f"torch {device}"][0])
+    return out
+
+
+# --- phase: jax (real size) ----------------------------------------------------------------------
+
+def phase_jax(args) -> dict:
+    from tpu.compile import enable_compile_cache
+    cache_dir = tempfile.mkdtemp(prefix="bench-gpu-jax-cache-")
+    enable_compile_cache(cache_dir)  # before torchax is imported (it compiles on import)
+    import jax
+    import torch
+
+    from bench.torch_wan_step import init_std
+    from modules.checkpoint import cast_model
+    from modules.registry import build_model
+    from sampling.pipelines import get_pipeline
+    from sampling.run import make_sample, sample_once
+    from sampling.stages import SignalPlan
+    from tpu.aot_backend import jax_dtype
+    from tpu.backend import JaxBackend
+
+    class RandomWeights(JaxBackend):
+        """JaxBackend whose weights are drawn on the device from a seed (bench.torch_wan_step's
+        recipe), not read from a checkpoint or the host."""
+
+        def _weights(self, model, checkpoint=None):
+            specs, stacks = self._weight_specs(model)
+            params = dict(model.named_parameters())
+            key, out = jax.random.key(SEED), {}
+            for i, (name, spec) in enumerate(sorted(specs.items())):
+                member = stacks.get(name, (name,))[0]
+                mean, std = init_std(member, params[member])
+                x = _normal(jax.random.fold_in(key, i), mean, std, shape=tuple(spec.shape),
+                            dtype=jax_dtype(spec.dtype))
+                out[f"model.{name}"] = x if spec.sharding is None else jax.device_put(x, spec.sharding)
+            return jax.block_until_ready(out)
+
+    pipe = get_pipeline(TINY if args.tiny else REAL)
+    model = cast_model(build_model(pipe.experts[0][1], meta=True), torch.bfloat16)
+    device = jax.devices()[0]
+    out = {"device": device.device_kind, "attention": None, "sizes": {}}
+    for label, size in sizes(args.tiny).items():
+        shape = pipe.latent_shape(*size.pixels)
+        tensors = pipe.synthesize(shape, True, False, SEED)
+        names = ["none", *size.cached]
+        configs = {name: cache_config(name, size.steps) for name in names}
+        backends, samples, rows = {}, {}, {n: [] for n in names}
+        began = time.perf_counter()
+        for name in jax_plans(size):
+            backends[name] = RandomWeights({None: model}, SignalPlan.from_config(configs[name]))
+            samples[name] = make_sample(backends[name], pipe, tensors, shape, image=False, seed=SEED)
+        if "none" not in backends:
+            backends["none"], samples["none"] = backends["deepcache"], samples["deepcache"]
+        weights_s = time.perf_counter() - began
+        out["attention"] = backends["none"].attention
+        for r in range(size.rounds):
+            for name in names:  # interleaved: each round runs every configuration once
+                traj = sample_once(backends[name], configs[name], samples[name], solver=pipe.solver,
+                                   steps=size.steps, shift=pipe.shift,
+                                   warmup_rounds=1 if r == 0 else 0, step_sync=True)
+                rows[name].append(trajectory_row(traj, _plan_blocks(model, backends[name].plan),
+                                                 steps=size.steps))
+        runs = {name: summarise(rows[name]) for name in names}
+        peak = _jax_peak(device)
+        # compile from the persistent cache: the in-memory programs dropped, the same warm-up again
+        jax.clear_caches()
+        traj = sample_once(backends["none"], configs["none"], samples["none"], solver=pipe.solver,
+                           steps=size.steps, shift=pipe.shift, warmup_rounds=1, step_sync=True)
+        warm = traj.warmup_compiles
+        out["sizes"][label] = dict(
+            tokens=pipe.tokens(shape), steps=size.steps, weights_s=weights_s, runs=runs,
+            peak_bytes=peak, warm_compile_s=traj.warmup_seconds,
+            warm_compiled=None if warm is None else warm.backend - warm.cache_hits)
+        del backends, samples
+    return out
+
+
+def _normal(key, mean, std, *, shape, dtype):
+    """mean + std * N(0, 1) of `shape` in `dtype`, drawn on the device (one compile per shape)."""
+    return _jitted_normal()(key, mean, std, shape=shape, dtype=dtype)
+
+
+@functools.cache
+def _jitted_normal():
+    import jax
+
+    @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+    def normal(key, mean, std, *, shape, dtype):
+        return (mean + std * jax.random.normal(key, shape)).astype(dtype)
+    return normal
+
+
+def _plan_blocks(model, signal_plan) -> dict:
+    return dict(blocks=model.num_blocks, fn=signal_plan.fn_blocks, bn=signal_plan.bn_blocks)
+
+
+def _jax_peak(device) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a platform without memory stats (the CPU)
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+# --- phase: torch (real size, ours eager and compiled, diffusers) ------------------------------
+
+def phase_torch(args) -> dict:
+    import torch
+
+    from bench import torch_wan_step as tws
+    from sampling.pipelines import get_pipeline
+    from sampling.run import make_sample, sample_once
+    from sampling.stages import SignalPlan
+    from torch_backend.backend import TorchBackend
+
+    pipe = get_pipeline(TINY if args.tiny else REAL)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    model = tws.random_bf16_model(pipe.experts[0][1], device, SEED)
+    try:
+        ref = tws.diffusers_wan(model, device)
+    except SystemExit as exc:  # diffusers missing: our runs still time
+        ref, missing = None, str(exc)
+    else:
+        missing = None
+    out = {"device": tws.device_name(device), "diffusers_missing": missing, "sizes": {}}
+    for label, size in sizes(args.tiny).items():
+        shape = pipe.latent_shape(*size.pixels)
+        setup = dict(pipe=pipe, device=device, size=size.pixels, shape=shape,
+                     tensors=pipe.synthesize(shape, True, False, SEED))
+        opts = SimpleNamespace(steps=size.steps, image=False, seed=SEED)
+        runs = [("eager", c) for c in ["none", *size.cached]] + ([("compiled", "none")]
+                                                                 if size.compiled else [])
+        rows = {f"torch {m} {c}": [] for m, c in runs}
+        peaks = {}
+        if ref is not None:
+            rows["diffusers none"] = []
+        for _ in range(size.rounds):
+            for mode, name in runs:
+                config = cache_config(name, size.steps)
+                tws.start_peak(device)
+                backend = TorchBackend({None: model}, SignalPlan.from_config(config), device=device,
+                                       compile=mode == "compiled")
+                sample = make_sample(backend, pipe, setup["tensors"], shape, image=False, seed=SEED)
+                traj = sample_once(backend, config, sample, solver=pipe.solver, steps=size.steps,
+                                   shift=pipe.shift, warmup_rounds=1, step_sync=True)
+                key = f"torch {mode} {name}"
+                rows[key].append(trajectory_row(traj, _plan_blocks(model, backend.plan),
+                                                steps=size.steps))
+                peaks[key] = tws.peak_bytes(device)
+            if ref is not None:
+                row = tws.run_diffusers(ref, setup, opts)
+                rows["diffusers none"].append(dict(
+                    step_seconds=row.step_seconds, computed=row.step_computed, wall_s=row.wall_seconds,
+                    warmup_s=None, loop_compiles=None, ideal=1.0))
+                peaks["diffusers none"] = row.peak_bytes
+        entry = dict(tokens=pipe.tokens(shape), steps=size.steps,
+                     runs={k: summarise(v) for k, v in rows.items()}, peak_bytes=peaks)
+        if ref is not None:
+            entry["ours_vs_diffusers_one_call"] = tws.one_call_error(model, ref, setup, opts)
+        out["sizes"][label] = entry
+    return out
+
+
+PHASE_FUNCS = {"smoke": phase_smoke, "check": phase_check, "jax": phase_jax, "torch": phase_torch}
+
+
+# --- the command: phases in processes, then the page --------------------------------------------
+
+def phase_timeouts(tiny: bool) -> dict[str, int]:
+    """Seconds each phase may take: on the GPU its share of the 8-minute plan with room to
+    spare, so the whole command stays under the device tool's 10 minutes a command; on the
+    CPU (tiny) a generous bound."""
+    if tiny:
+        return dict.fromkeys(PHASES, 900)
+    return {"smoke": 60, "check": 90, "jax": 240, "torch": 200}  # 590 s in all
+
+
+def run_phases(args, after_phase=lambda results: None) -> dict:
+    """Every phase of args.phases in its own process; `after_phase(results)` after each one that
+    followed a passed smoke phase (the page is rewritten then, so a kill keeps what finished)."""
+    results = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "phases": {},
+               "plan": plan(args.tiny)}
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # torch and JAX share the card
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.tiny:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    timeouts = phase_timeouts(args.tiny)
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        for phase in args.phases:
+            path = Path(tmp) / f"{phase}.json"
+            argv = [sys.executable, "-m", "bench.gpu", "--phase", phase, "--result", str(path)]
+            argv += ["--tiny"] if args.tiny else []
+            print(f"[bench.gpu] {phase} ...", file=sys.stderr, flush=True)
+            began = time.perf_counter()
+            try:
+                done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=timeouts[phase])
+                failure = None if done.returncode == 0 else \
+                    f"exit {done.returncode}: {(done.stderr or done.stdout)[-3000:]}"
+            except subprocess.TimeoutExpired:
+                failure = f"timed out after {timeouts[phase]} s"
+            entry = json.loads(path.read_text()) if failure is None else {"error": failure}
+            entry["phase_s"] = time.perf_counter() - began
+            results["phases"][phase] = entry
+            print(f"[bench.gpu] {phase}: {'ok' if failure is None else failure.splitlines()[0]} "
+                  f"({entry['phase_s']:.0f} s)", file=sys.stderr, flush=True)
+            if failure is not None and phase == "smoke":
+                print(failure, file=sys.stderr)
+                break
+            after_phase(results)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true",
+                    help=f"the CPU, {TINY} for the real-size runs (what the test suite runs)")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help=f"comma-separated, in order, among {', '.join(PHASES)}")
+    ap.add_argument("--out", type=Path, help="folder for gpu.json and gpu.md (default "
+                    "bench/results; none with --tiny unless given)")
+    ap.add_argument("--plan_only", action="store_true",
+                    help="write the page's plan with 'not run yet', touching no device")
+    ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.phase:  # one phase, inside its own process
+        try:
+            result = PHASE_FUNCS[args.phase](args)
+        except SmokeError as exc:
+            print(f"smoke: {exc}", file=sys.stderr)
+            return 1
+        args.result.write_text(json.dumps(result, indent=1, default=str))
+        return 0
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown or not phases:
+        ap.error(f"--phases {args.phases!r}: unknown {unknown}; expected a comma-separated list "
+                 f"among {', '.join(PHASES)}")
+    args.phases = phases
+    out = args.out or (None if args.tiny else ROOT / "bench" / "results")
+    if args.plan_only:
+        from bench.gpu_page import write
+        write(out or ROOT / "bench" / "results", None, plan(args.tiny))
+        return 0
+    from bench.gpu_page import write
+    results = run_phases(args, (lambda r: write(out, r, r["plan"])) if out is not None else
+                         (lambda r: None))
+    smoke = results["phases"].get("smoke", {})
+    if "error" in smoke:
+        print("[bench.gpu] the smoke phase failed: nothing written", file=sys.stderr)
+    print(json.dumps(verdicts(results), indent=1))
+    return 0 if "error" not in smoke and all(
+        "error" not in p for p in results["phases"].values()) else 1
+
+
+def verdicts(results: dict) -> dict:
+    """The issue's targets, met or not, from the phases' figures (None: not measured)."""
+    phases = results["phases"]
+    check = phases.get("check", {})
+    out = {"latents agree with the CPU (both backends)":
+           None if "jax" not in check else bool(check["jax"]["ok"] and check["torch"]["ok"])}
+    jx, th = phases.get("jax", {}).get("sizes", {}), phases.get("torch", {}).get("sizes", {})
+    for label in jx:
+        ours, theirs = jx[label]["runs"]["none"], th.get(label, {}).get("runs", {}).get("diffusers none")
+        out[f"{label}: our JAX step within 1.15x of diffusers'"] = \
+            None if theirs is None else ours["step_s"] <= 1.15 * theirs["step_s"]
+        shares = [speedup_share(jx[label]["runs"], name) for name in jx[label]["runs"] if name != "none"]
+        shares += [speedup_share(th.get(label, {}).get("runs", {}), name, prefix=f"torch {mode} ")
+                   for mode in ("eager", "compiled")
+                   for name in ("deepcache", "teacache")
+                   if f"torch {mode} {name}" in th.get(label, {}).get("runs", {})]
+        if shares:
+            out[f"{label}: every cached run at least 90% of its schedule ideal"] = min(shares) >= 0.9
+    return out
+
+
+def speedup_share(runs: dict, name: str, prefix: str = "") -> float:
+    """A cached run's measured speedup over its backend's uncached run, as a share of its ideal."""
+    base, run = runs[f"{prefix}none"], runs[f"{prefix}{name}"]
+    return (base["wall_s"] / run["wall_s"]) / run["ideal"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
