@@ -217,6 +217,10 @@ def phase_smoke(args) -> dict:
         raise SmokeError(f"no GPU here: JAX's backend is {out['jax_backend']}, torch.cuda."
                          f"is_available() is {out['cuda_available']}; expected both on a GPU "
                          "machine (run --tiny on a CPU)")
+    # the persistent compilation cache patches JAX internals (tpu.compile): one compile through it
+    from tpu.compile import enable_compile_cache
+    enable_compile_cache(tempfile.mkdtemp(prefix="bench-gpu-smoke-cache-"))
+    jax.jit(lambda x: x + 1)(1.0).block_until_ready()
     missing = [name for name in ("shard_map", "set_mesh") if not hasattr(jax, name)]
     if missing:
         raise SmokeError(f"jax {jax.__version__} lacks {', '.join('jax.' + m for m in missing)}, "

@@ -105,3 +105,22 @@ def test_a_second_two_process_job_compiles_nothing_in_stage2_or_stage3(tmp_path)
     second, summary = _two_process_job(tmp_path, cache, "second")
     assert [c["compiled"] for c in second] == [0, 0], second
     assert summary["stage3"][0]["compiles"]["prepare"]["compiled"] == 0, summary["stage3"]
+
+
+def test_the_own_entries_writer_takes_both_jax_signatures(monkeypatch):
+    """JAX's private _cache_write took host_callbacks last up to 0.10 and dropped it in 0.11
+    (the GPU machine's): the wrapper passes on whatever it was given, and a process other than
+    0 writes its own entry unless the program has host callbacks (which 0.10 never caches)."""
+    from tpu import compile as tc
+    given, put = [], []
+    monkeypatch.setattr(tc.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(tc, "_own_key", lambda backend, devices: True)
+    monkeypatch.setattr(tc.jax_compilation_cache, "put_executable_and_time",
+                        lambda key, *rest: put.append(key))
+    write = tc._writing_own_entries(lambda *args: given.append(args))
+    write("k11", 1.0, "m", "b", "e")  # jax 0.11
+    write("k10", 1.0, "m", "b", "e", ())  # jax 0.10, no host callbacks
+    write("k10cb", 1.0, "m", "b", "e", ("callback",))  # jax 0.10: never cached
+    assert given == [("k11", 1.0, "m", "b", "e"), ("k10", 1.0, "m", "b", "e", ()),
+                     ("k10cb", 1.0, "m", "b", "e", ("callback",))]
+    assert put == ["k11", "k10"]

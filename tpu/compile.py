@@ -181,8 +181,11 @@ def _noting_devices(compile_or_get_cached):
 
 
 def _writing_own_entries(cache_write):
-    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
-        cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+    def write(cache_key, compile_time_secs, module_name, backend, executable, *rest):
+        cache_write(cache_key, compile_time_secs, module_name, backend, executable, *rest)
+        # jax <= 0.10 passes host_callbacks last (and skips programs with any); 0.11 dropped the
+        # argument and caches those programs too
+        host_callbacks = rest[0] if rest else ()
         if jax.process_index() == 0 or host_callbacks \
                 or not _own_key(backend, getattr(_COMPILING, "devices", None)):
             return  # written above (process 0), or never (as JAX: host callbacks), or shared

@@ -142,7 +142,8 @@ def topology_devices(name: str):
     try:
         import libtpu  # noqa: F401
     except ImportError:
-        raise AotError('compiling for a TPU needs libtpu: pip install "jax[tpu]==0.10.2" '
+        import jax  # the libtpu that matches this JAX (0.10.2 in requirements-tpu.txt)
+        raise AotError(f'compiling for a TPU needs libtpu: pip install "jax[tpu]=={jax.__version__}" '
                        "(about 700 MB; JAX keeps running on the CPU with JAX_PLATFORMS=cpu)") from None
     from jax.experimental import topologies
     # One host holds 8 chips on v5e/v6e, 4 on v5p and v7x; a smaller slice is one host of its own.
