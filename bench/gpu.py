@@ -350,10 +350,13 @@ def phase_jax(args) -> dict:
                 out[f"model.{name}"] = x if spec.sharding is None else jax.device_put(x, spec.sharding)
             return jax.block_until_ready(out)
 
+    from tpu import attention
+    attention.fused_on_gpu = not args.no_fused
     pipe = get_pipeline(TINY if args.tiny else REAL)
     model = cast_model(build_model(pipe.experts[0][1], meta=True), torch.bfloat16)
     device = jax.devices()[0]
-    out = {"device": device.device_kind, "attention": None, "sizes": {}}
+    out = {"device": device.device_kind, "attention": None, "sizes": {},
+           "fused_attention_on_gpu": attention.fused_on_gpu}
     for label, size in sizes(args.tiny).items():
         shape = pipe.latent_shape(*size.pixels)
         tensors = pipe.synthesize(shape, True, False, SEED)
@@ -386,6 +389,7 @@ def phase_jax(args) -> dict:
             tokens=pipe.tokens(shape), steps=size.steps, weights_s=weights_s, runs=runs,
             peak_bytes=peak, warm_compile_s=traj.warmup_seconds,
             warm_compiled=None if warm is None else warm.backend - warm.cache_hits)
+        save_partial(args, out)
         del backends, samples
     return out
 
@@ -473,7 +477,14 @@ def phase_torch(args) -> dict:
         if ref is not None:
             entry["ours_vs_diffusers_one_call"] = tws.one_call_error(model, ref, setup, opts)
         out["sizes"][label] = entry
+        save_partial(args, out)
     return out
+
+
+def save_partial(args, out: dict) -> None:
+    """A timing phase's figures so far, after each size: a phase cut off by its time limit
+    keeps the sizes it finished."""
+    args.result.write_text(json.dumps(dict(out, partial=True), indent=1, default=str))
 
 
 PHASE_FUNCS = {"smoke": phase_smoke, "check": phase_check, "jax": phase_jax, "torch": phase_torch}
@@ -505,6 +516,9 @@ def run_phases(args, after_phase=lambda results: None) -> dict:
             path = Path(tmp) / f"{phase}.json"
             argv = [sys.executable, "-m", "bench.gpu", "--phase", phase, "--result", str(path)]
             argv += ["--tiny"] if args.tiny else []
+            fused = results["phases"].get("smoke", {}).get("fused_attention")
+            if isinstance(fused, dict) and not fused.get("ok"):
+                argv += ["--no_fused"]  # the kernel failed or disagreed on this card: XLA's
             print(f"[bench.gpu] {phase} ...", file=sys.stderr, flush=True)
             began = time.perf_counter()
             try:
@@ -514,7 +528,9 @@ def run_phases(args, after_phase=lambda results: None) -> dict:
                     f"exit {done.returncode}: {(done.stderr or done.stdout)[-3000:]}"
             except subprocess.TimeoutExpired:
                 failure = f"timed out after {timeouts[phase]} s"
-            entry = json.loads(path.read_text()) if failure is None else {"error": failure}
+            entry = json.loads(path.read_text()) if path.exists() else {}
+            if failure is not None:
+                entry["error"] = failure  # what a timed-out phase finished stays beside it
             entry["phase_s"] = time.perf_counter() - began
             results["phases"][phase] = entry
             print(f"[bench.gpu] {phase}: {'ok' if failure is None else failure.splitlines()[0]} "
@@ -538,6 +554,7 @@ def main(argv=None) -> int:
                     help="write the page's plan with 'not run yet', touching no device")
     ap.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--no_fused", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.phase:  # one phase, inside its own process
         try:

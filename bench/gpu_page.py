@@ -89,7 +89,9 @@ def _measured(results: dict) -> list[str]:
         j = jx.get("sizes", {}).get(label)
         if j:
             peak = "-" if j["peak_bytes"] is None else f"{j['peak_bytes'] / GIB:.1f} GiB"
-            out.append(f"\nJAX: backends built (weights drawn on the device, inputs placed) in "
+            out.append(f"\nJAX: attention {jx.get('attention')} (cuDNN's fused kernel where it "
+                       f"applies: {jx.get('fused_attention_on_gpu')}, on a GPU only); backends "
+                       "built (weights drawn on the device, inputs placed) in "
                        f"{j['weights_s']:.1f} s; compile from "
                        f"the persistent cache (after jax.clear_caches) {j['warm_compile_s']:.1f} s, "
                        f"{j['warm_compiled']} compiled; peak device memory {peak}.")
