@@ -113,8 +113,9 @@ def plan(tiny: bool = False) -> dict:
         step_flops = 2 * call_flops(cfg, tokens)  # CFG: two calls a step
         step_s = step_flops / (H100_BF16_FLOPS * ASSUMED_MFU)
         runs = timed_runs(size)
-        # a cached run's steps cost about its computed share; counted whole here (an upper bound)
-        seconds = size.rounds * len(runs) * (size.steps + 1) * step_s  # +1: the warm-up step
+        # a cached run's steps cost about its computed share; counted whole here (an upper
+        # bound), and each run's warm-up (every program once, about a step) in the first round
+        seconds = (size.rounds * size.steps + 1) * len(runs) * step_s
         rows.append(dict(size=label, pixels=size.pixels, latent=list(shape), tokens=tokens,
                          text_tokens=cfg.text_len, step_tflops=step_flops / 1e12,
                          expected_step_s=step_s, steps=size.steps, rounds=size.rounds, runs=runs,
@@ -295,10 +296,14 @@ def phase_check(args) -> dict:
 
     from tpu.backend import JaxBackend
     runs = {}
-    # JAX first: the torch backend moves the models to its device in place
+    # JAX first: the torch backend moves the models to its device in place. The default device
+    # set globally, not by the jax.default_device context, which is thread-local: the weights
+    # are placed from a pool of loader threads (tpu.loading.place_all)
     for where, jax_device in (("cpu", jax.devices("cpu")[0]), (device, jax.devices()[0])):
-        with jax.default_device(jax_device), jax.default_matmul_precision("highest"):
+        jax.config.update("jax_default_device", jax_device)
+        with jax.default_matmul_precision("highest"):
             runs[f"jax {where}"] = sample(JaxBackend(models, plan_))
+    jax.config.update("jax_default_device", None)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from torch_backend.backend import TorchBackend
@@ -453,15 +458,21 @@ def phase_torch(args) -> dict:
         peaks = {}
         if ref is not None:
             rows["diffusers none"] = []
-        for _ in range(size.rounds):
+        # one backend a run, kept over the rounds: a new one would run torch.compile again
+        built = {}
+        for mode, name in runs:
+            config = cache_config(name, size.steps)
+            backend = TorchBackend({None: model}, SignalPlan.from_config(config), device=device,
+                                   compile=mode == "compiled")
+            built[mode, name] = (config, backend, make_sample(backend, pipe, setup["tensors"], shape,
+                                                              image=False, seed=SEED))
+        for r in range(size.rounds):
             for mode, name in runs:
-                config = cache_config(name, size.steps)
+                config, backend, sample = built[mode, name]
                 tws.start_peak(device)
-                backend = TorchBackend({None: model}, SignalPlan.from_config(config), device=device,
-                                       compile=mode == "compiled")
-                sample = make_sample(backend, pipe, setup["tensors"], shape, image=False, seed=SEED)
                 traj = sample_once(backend, config, sample, solver=pipe.solver, steps=size.steps,
-                                   shift=pipe.shift, warmup_rounds=1, step_sync=True)
+                                   shift=pipe.shift, warmup_rounds=1 if r == 0 else 0,
+                                   step_sync=True)
                 key = f"torch {mode} {name}"
                 rows[key].append(trajectory_row(traj, _plan_blocks(model, backend.plan),
                                                 steps=size.steps))
@@ -472,6 +483,7 @@ def phase_torch(args) -> dict:
                     step_seconds=row.step_seconds, computed=row.step_computed, wall_s=row.wall_seconds,
                     warmup_s=None, loop_compiles=None, ideal=1.0))
                 peaks["diffusers none"] = row.peak_bytes
+        del built
         entry = dict(tokens=pipe.tokens(shape), steps=size.steps,
                      runs={k: summarise(v) for k, v in rows.items()}, peak_bytes=peaks)
         if ref is not None:

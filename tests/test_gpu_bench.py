@@ -22,7 +22,7 @@ from sampling.pipelines import get_pipeline
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*argv, tmp_path):
+def _run(*argv):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "bench.gpu", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -31,7 +31,7 @@ def _run(*argv, tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu")
-    done = _run("--tiny", "--out", str(out), tmp_path=out)
+    done = _run("--tiny", "--out", str(out))
     return done, out
 
 
@@ -69,7 +69,7 @@ def test_tiny_mode_runs_every_phase_on_the_cpu_and_writes_the_page(tiny):
 
 
 def test_without_a_gpu_the_smoke_phase_stops_the_command_and_nothing_is_written(tmp_path):
-    done = _run("--out", str(tmp_path), tmp_path=tmp_path)
+    done = _run("--out", str(tmp_path))
     assert done.returncode == 1
     assert "smoke: no GPU here: JAX's backend is cpu" in done.stderr, done.stderr[-2000:]
     assert "[bench.gpu] check" not in done.stderr  # no device time after a failed smoke phase
@@ -77,7 +77,7 @@ def test_without_a_gpu_the_smoke_phase_stops_the_command_and_nothing_is_written(
 
 
 def test_unknown_phases_are_refused(tmp_path):
-    done = _run("--tiny", "--phases", "smoke,warp", tmp_path=tmp_path)
+    done = _run("--tiny", "--phases", "smoke,warp")
     assert done.returncode == 2 and "--phases 'smoke,warp': unknown ['warp']" in done.stderr
 
 
@@ -105,7 +105,7 @@ def test_the_plan_fits_eight_minutes_with_the_token_counts_of_both_sizes():
 
 
 def test_the_plan_only_page_says_not_run_yet(tmp_path):
-    done = _run("--plan_only", "--out", str(tmp_path), tmp_path=tmp_path)
+    done = _run("--plan_only", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "gpu.md").read_text()
     assert "**Not run yet**" in page and "| 480p | 1x48x21x30x52 | 8,190 |" in page
