@@ -8,7 +8,9 @@ bench runs each configuration on each draw alone (the trained page's 12 prompts 
 draws, and --more draws after the screen draws) against the uncached run of the same draw, so a
 miss shows which draw made it and by how much; and each configuration again with its first W
 steps computed (a static schedule: those steps added; a threshold: --cache_warmup W), to see
-whether computing the layout phase stops it.
+whether computing the layout phase stops it. Beside them, each draw's uncached run with its
+weights rounded to bf16: a draw that flips under that, with no caching at all, is chaotic (on the
+Wan model draws 63 and 71 are), and its misses are counted apart.
 
     python bench/fragile_prompts.py --family hunyuan --protect 0 --more 20   # ~3 min, one core
     python bench/fragile_prompts.py --family wan --protect 0
@@ -24,6 +26,7 @@ sampling/budget.py's space). Writes bench/results/fragile_prompts_<family>.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import shlex
@@ -58,6 +61,29 @@ PROFILES = {"hunyuan": os.path.join(RESULTS, "pareto", "trained_hunyuan", "budge
 # a draw's error this many times the configuration's median over the draws: the draw flipped
 # (the trained twin's misses were 6-40x; a draw that merely varies stays under 3x)
 FLIP = 5.0
+
+
+@contextlib.contextmanager
+def bf16_weights(model: torch.nn.Module):
+    """The model with every weight rounded to bf16 (and back to its dtype), restored after: the
+    perturbation any bf16 deployment makes, with no caching at all."""
+    saved = [p.detach().clone() for p in model.parameters()]
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+        yield model
+    finally:
+        with torch.no_grad():
+            for p, keep in zip(model.parameters(), saved, strict=True):
+                p.copy_(keep)
+
+
+def chaotic(draws: list[int], bf16_errors: list[float]) -> set[int]:
+    """Draws whose uncached run flips with its weights rounded to bf16 (over FLIP x the median
+    of that error over the draws): no cache can keep a small budget there."""
+    median = sorted(bf16_errors)[len(bf16_errors) // 2]
+    return {s for s, x in zip(draws, bf16_errors, strict=True) if x > FLIP * median}
 
 
 def protected(fields: dict, first: int) -> dict:
@@ -127,10 +153,14 @@ def main(argv=None) -> int:
              + list(range(SCREEN_SEEDS[-1] + 1, SCREEN_SEEDS[-1] + 1 + args.more)))
     counter = our_counter(wl)
     errors: dict = {}  # (label, first) -> [rel L2 per draw]
+    bf16: list[float] = []  # the uncached run with bf16-rounded weights, per draw
     fractions: dict = {}
     for seed in draws:
         draw = wl.reseeded(seed)
         base = run_ours(draw, CMConfig(), counter)
+        with bf16_weights(draw.model):
+            bf16.append(fidelity(run_ours(draw, CMConfig(), counter).latents,
+                                 base.latents)["rel_l2"])
         for label in labels:
             for first in firsts:
                 run = run_ours(draw, config_from_fields(protected(space[label], first)), counter)
@@ -146,7 +176,8 @@ def main(argv=None) -> int:
         return [s for s, x in zip(draws, errors[key], strict=True) if x > FLIP * median]
 
     flipped = {key: flips(key) for key in errors}
-    head = [f"{label} / first {f}" for label in labels for f in firsts]
+    chaos = chaotic(draws, bf16)
+    head = ["uncached, bf16 weights"] + [f"{label} / first {f}" for label in labels for f in firsts]
     lines = [f"# Fragile prompts: {wl.family.title}", "",
              f"Reproduce: `python bench/fragile_prompts.py {shlex.join(argv or sys.argv[1:])}` "
              f"({(time.perf_counter() - began) / 60:.1f} min). TRAINED weights; every figure is "
@@ -156,25 +187,33 @@ def main(argv=None) -> int:
              + "; ".join(f"rel L2 budget {e:g}: {label}" for e, label in targets) + ".", "",
              "first W: the configuration with its first W steps computed (a static schedule: "
              "those steps added; a threshold: --cache_warmup W). A draw flipped where its error is "
-             f"over {FLIP:g}x the configuration's median over the draws (bold).", "",
+             f"over {FLIP:g}x the configuration's median over the draws (bold). uncached, bf16 "
+             "weights: the uncached run with every weight rounded to bf16, no caching at all; "
+             "bold where it flips too (a chaotic draw, which no cache can be asked to keep).", "",
              "| draw | prompt | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for i, seed in enumerate(draws):
-        cells = []
+        cells = [f"**{bf16[i]:.1e}**" if seed in chaos else f"{bf16[i]:.1e}"]
         for label in labels:
             for f in firsts:
                 x = errors[(label, f)][i]
                 cells.append(f"**{x:.1e}**" if seed in flipped[(label, f)] else f"{x:.1e}")
         lines.append(f"| {seed} | {held_out_clip(seed).prompt} | " + " | ".join(cells) + " |")
-    lines.append("| computed | | " + " | ".join(
+    lines.append("| computed | | 1.000 | " + " | ".join(
         f"{sum(fractions[(x, f)]) / len(draws):.3f}" for x in labels for f in firsts) + " |")
     kept = []
     if 0 in firsts:  # each draw alone against its budget, as chosen
         for e, label in targets:
-            missed = [f"{seed} ({x:.1e})" for seed, x in zip(draws, errors[(label, 0)], strict=True)
-                      if x > e]
+            missed = [(seed, x) for seed, x in zip(draws, errors[(label, 0)], strict=True) if x > e]
+            calm = [m for m in missed if m[0] not in chaos]
             kept.append(f"rel L2 budget {e:g}: {len(draws) - len(missed)} of {len(draws)}"
-                        + (f" (missed on {', '.join(missed)})" if missed else ""))
+                        + (" (missed on " + ", ".join(
+                            f"{seed} ({x:.1e}{', chaotic' if seed in chaos else ''})"
+                            for seed, x in missed) + ")" if missed else "")
+                        + f", {len(draws) - len(chaos) - len(calm)} of {len(draws) - len(chaos)}"
+                        " off the chaotic draws")
     lines += ["", "Kept draw by draw: " + "; ".join(kept) + "." if kept else "",
+              "", "Chaotic draws (the uncached run flips with bf16-rounded weights): "
+              + (", ".join(map(str, sorted(chaos))) or "none") + ".",
               "", "Flipped draws: " + "; ".join(
         f"{x} / first {f}: {', '.join(map(str, flipped[(x, f)])) or 'none'}"
         for x in labels for f in firsts) + ".", ""]

@@ -4,6 +4,7 @@ and the configurations it studies are the ones the trained page's budgeted mode 
 import csv
 
 import pytest
+import torch
 
 from bench import fragile_prompts as fp
 from cache.flags import config_from_fields
@@ -40,3 +41,16 @@ def test_more_draws_must_be_a_count(capsys):
     with pytest.raises(SystemExit) as exc:
         fp.main(["--family", "hunyuan", "--more", "-1"])
     assert exc.value.code == 2 and "--more -1" in capsys.readouterr().err
+
+
+def test_bf16_weights_round_every_weight_and_restore_them_and_chaotic_draws_stand_out():
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0 + 2**-12, 2.0, 3.0], [0.1, 0.2, 0.3]]))
+    before = [p.detach().clone() for p in model.parameters()]
+    with fp.bf16_weights(model):
+        assert model.weight[0, 0].item() == 1.0  # 1 + 2^-12 is not a bf16 number
+        assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    errors = [2e-3, 1.9e-3, 2.8e-1, 2.4e-3, 3.8e-2, 1.7e-3, 9e-3]  # draw 63 and 71's kind
+    assert fp.chaotic([10, 11, 63, 12, 71, 13, 14], errors) == {63, 71}
