@@ -98,7 +98,7 @@ def test_the_plan_fits_eight_minutes_with_the_token_counts_of_both_sizes():
     plan = gpu.plan()
     assert [s["tokens"] for s in plan["sizes"]] == [21 * 15 * 26, 31 * 22 * 40]
     assert plan["total_s"] <= plan["budget_s"] == 480
-    assert sum(gpu.phase_timeouts(False).values()) < 600  # the device tool's limit a command
+    assert sum(gpu.phase_timeouts(False).values()) <= 560  # 600 a command, less the install
     runs = plan["sizes"][0]["runs"]
     assert {"jax none", "jax deepcache", "jax teacache", "torch eager none",
             "torch compiled none", "diffusers none"} <= set(runs)
