@@ -69,7 +69,8 @@ def _measured(results: dict) -> list[str]:
                        f"{c['loop_compiles']} | {c['ok']} |")
         out.append(f"\nJAX against torch on the device: rel L2 {check['jax_vs_torch_rel_l2']:.2e}.")
     jx, th = phases.get("jax", {}), phases.get("torch", {})
-    for label in jx.get("sizes", {}) or th.get("sizes", {}):
+    # every size either timing phase finished (one may have been cut off after its first)
+    for label in dict.fromkeys([*jx.get("sizes", {}), *th.get("sizes", {})]):
         out += ["", f"## {label}: per-step time", ""]
         size = jx.get("sizes", {}).get(label) or th["sizes"][label]
         out.append(f"{size['tokens']:,} image tokens, {size['steps']} steps, CFG (2 calls a "

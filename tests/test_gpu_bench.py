@@ -120,3 +120,17 @@ def test_the_tracked_tree_stays_small_enough_to_travel_with_the_wheels():
                            check=True).stdout.split()
     assert not [n for n in names if Path(n).name.startswith("state_") and n.endswith(".pt")]
     assert tracked_bytes() < 30e6 < LIMIT - 8 * 2**20
+
+
+def test_a_timing_phase_cut_off_leaves_the_other_phases_figures_on_the_page(tiny):
+    """The page from the tiny run's figures with the JAX phase timed out before its first size:
+    the failure is named and the torch phase's table stays."""
+    from bench.gpu_page import lines
+    _, out = tiny
+    results = json.loads((out / "gpu.json").read_text())
+    results["phases"]["jax"] = {"error": "timed out after 230 s", "phase_s": 230.0}
+    page = "\n".join(lines(results, results["plan"]))
+    assert "phase jax FAILED (230 s): `timed out after 230 s`" in page
+    assert "## tiny: per-step time" in page and "| torch eager deepcache |" in page
+    assert "| jax none |" not in page
+    assert gpu.verdicts(results)["latents agree with the CPU (both backends)"] is True
