@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from bench.page import write_page
+from sampling.journal import atomic_write
 
 GIB = 2**30
 
@@ -17,7 +18,8 @@ def write(folder: Path, results: dict | None, plan: dict) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if results is not None:
-        (folder / "gpu.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        text = json.dumps(results, indent=1, default=str) + "\n"
+        atomic_write(str(folder / "gpu.json"), lambda f: f.write(text))  # a kill keeps the last
         print(f"wrote {folder / 'gpu.json'}")
     write_page(str(folder / "gpu.md"), lines(results, plan))
 
