@@ -79,11 +79,16 @@ def bf16_weights(model: torch.nn.Module):
                 p.copy_(keep)
 
 
+def flipped_draws(draws: list[int], errors: list[float]) -> list[int]:
+    """The draws whose error is over FLIP x the median of the errors over the draws."""
+    median = sorted(errors)[len(errors) // 2]
+    return [s for s, x in zip(draws, errors, strict=True) if x > FLIP * median]
+
+
 def chaotic(draws: list[int], bf16_errors: list[float]) -> set[int]:
-    """Draws whose uncached run flips with its weights rounded to bf16 (over FLIP x the median
-    of that error over the draws): no cache can keep a small budget there."""
-    median = sorted(bf16_errors)[len(bf16_errors) // 2]
-    return {s for s, x in zip(draws, bf16_errors, strict=True) if x > FLIP * median}
+    """Draws whose uncached run flips with its weights rounded to bf16: no cache can keep a
+    small budget there."""
+    return set(flipped_draws(draws, bf16_errors))
 
 
 def protected(fields: dict, first: int) -> dict:
@@ -170,12 +175,7 @@ def main(argv=None) -> int:
         print(seed, held_out_clip(seed).prompt, " ".join(
             f"{errors[(x, f)][-1]:.1e}" for x in labels for f in firsts), flush=True)
 
-    def flips(key) -> list[int]:
-        e = sorted(errors[key])
-        median = e[len(e) // 2]
-        return [s for s, x in zip(draws, errors[key], strict=True) if x > FLIP * median]
-
-    flipped = {key: flips(key) for key in errors}
+    flipped = {key: flipped_draws(draws, e) for key, e in errors.items()}
     chaos = chaotic(draws, bf16)
     head = ["uncached, bf16 weights"] + [f"{label} / first {f}" for label in labels for f in firsts]
     lines = [f"# Fragile prompts: {wl.family.title}", "",

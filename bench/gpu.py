@@ -131,9 +131,14 @@ def plan(tiny: bool = False) -> dict:
 
 def timed_runs(size: Size) -> list[str]:
     """Every timed run of one size, in the order a round runs them."""
-    runs = ["none", *size.cached]
-    return ([f"jax {c}" for c in runs] + [f"torch eager {c}" for c in runs]
-            + (["torch compiled none"] if size.compiled else []) + ["diffusers none"])
+    return ([f"jax {c}" for c in ["none", *size.cached]]
+            + [f"torch {mode} {c}" for mode, c in torch_runs(size)] + ["diffusers none"])
+
+
+def torch_runs(size: Size) -> list[tuple[str, str]]:
+    """(mode, run) of our torch backend at one size: eager uncached and cached, compiled uncached."""
+    return [("eager", c) for c in ["none", *size.cached]] + ([("compiled", "none")]
+                                                             if size.compiled else [])
 
 
 def jax_plans(size: Size) -> list[str]:
@@ -159,13 +164,9 @@ def cache_config(name: str, steps: int):
     raise ValueError(f"unknown run {name!r}; expected none, deepcache or teacache")
 
 
-def rel_l2(a, b) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def trajectory_row(traj, plan_, *, steps: int) -> dict:
-    """What one timed trajectory reports: per-step seconds, decisions, computed count, compiles."""
+def trajectory_row(traj, backend, *, steps: int) -> dict:
+    """What one timed trajectory of `backend` reports: per-step seconds, decisions, computed
+    count, compiles, and its schedule's ideal speedup (by the blocks its reuse steps run)."""
     from sampling.run import layer_ideal
     s = traj.stats
     computed = sum(s.step_computed)
@@ -173,8 +174,8 @@ def trajectory_row(traj, plan_, *, steps: int) -> dict:
     return dict(step_seconds=list(s.step_seconds), computed=list(map(bool, s.step_computed)),
                 wall_s=s.wall_seconds, warmup_s=traj.warmup_seconds,
                 loop_compiles=None if compiles is None else compiles.lowered,
-                ideal=layer_ideal(plan_["blocks"], computed, steps - computed, plan_["fn"],
-                                  plan_["bn"]))
+                ideal=layer_ideal(backend.template.num_blocks, computed, steps - computed,
+                                  backend.plan.fn_blocks, backend.plan.bn_blocks))
 
 
 def summarise(rounds: list[dict]) -> dict:
@@ -272,6 +273,7 @@ def phase_check(args) -> dict:
     import torch
 
     from commands.stage2_backend import load_models
+    from sampling.fidelity import fidelity
     from sampling.pipelines import get_pipeline
     from sampling.run import make_sample, sample_once
     from sampling.stages import SignalPlan
@@ -313,11 +315,11 @@ def phase_check(args) -> dict:
            "tolerance": CHECK_TOL, "device": device}
     for backend in ("jax", "torch"):
         cpu, dev = runs[f"{backend} cpu"], runs[f"{backend} {device}"]
-        out[backend] = dict(rel_l2=rel_l2(dev[0], cpu[0]), decisions_equal=dev[1] == cpu[1],
+        out[backend] = dict(rel_l2=fidelity(dev[0], cpu[0])["rel_l2"], decisions_equal=dev[1] == cpu[1],
                             computed=sum(dev[1]), loop_compiles=dev[2])
         out[backend]["ok"] = (out[backend]["rel_l2"] <= CHECK_TOL and out[backend]["decisions_equal"]
                               and dev[2] in (None, 0))
-    out["jax_vs_torch_rel_l2"] = rel_l2(runs[f"jax {device}"][0], runs[f"torch {device}"][0])
+    out["jax_vs_torch_rel_l2"] = fidelity(runs[f"jax {device}"][0], runs[f"torch {device}"][0])["rel_l2"]
     return out
 
 
@@ -350,8 +352,8 @@ def phase_jax(args) -> dict:
             for i, (name, spec) in enumerate(sorted(specs.items())):
                 member = stacks.get(name, (name,))[0]
                 mean, std = init_std(member, params[member])
-                x = _normal(jax.random.fold_in(key, i), mean, std, shape=tuple(spec.shape),
-                            dtype=jax_dtype(spec.dtype))
+                x = _normal()(jax.random.fold_in(key, i), mean, std, shape=tuple(spec.shape),
+                              dtype=jax_dtype(spec.dtype))
                 out[f"model.{name}"] = x if spec.sharding is None else jax.device_put(x, spec.sharding)
             return jax.block_until_ready(out)
 
@@ -381,8 +383,7 @@ def phase_jax(args) -> dict:
                 traj = sample_once(backends[name], configs[name], samples[name], solver=pipe.solver,
                                    steps=size.steps, shift=pipe.shift,
                                    warmup_rounds=1 if r == 0 else 0, step_sync=True)
-                rows[name].append(trajectory_row(traj, _plan_blocks(model, backends[name].plan),
-                                                 steps=size.steps))
+                rows[name].append(trajectory_row(traj, backends[name], steps=size.steps))
         runs = {name: summarise(rows[name]) for name in names}
         peak = _jax_peak(device)
         # compile from the persistent cache: the in-memory programs dropped, the same warm-up again
@@ -399,23 +400,16 @@ def phase_jax(args) -> dict:
     return out
 
 
-def _normal(key, mean, std, *, shape, dtype):
-    """mean + std * N(0, 1) of `shape` in `dtype`, drawn on the device (one compile per shape)."""
-    return _jitted_normal()(key, mean, std, shape=shape, dtype=dtype)
-
-
 @functools.cache
-def _jitted_normal():
+def _normal():
+    """normal(key, mean, std, shape=, dtype=): mean + std * N(0, 1) of `shape` in `dtype`, drawn
+    on the device (one compile per shape); built on first use, as JAX is imported in the phase."""
     import jax
 
     @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
     def normal(key, mean, std, *, shape, dtype):
         return (mean + std * jax.random.normal(key, shape)).astype(dtype)
     return normal
-
-
-def _plan_blocks(model, signal_plan) -> dict:
-    return dict(blocks=model.num_blocks, fn=signal_plan.fn_blocks, bn=signal_plan.bn_blocks)
 
 
 def _jax_peak(device) -> int | None:
@@ -452,8 +446,7 @@ def phase_torch(args) -> dict:
         setup = dict(pipe=pipe, device=device, size=size.pixels, shape=shape,
                      tensors=pipe.synthesize(shape, True, False, SEED))
         opts = SimpleNamespace(steps=size.steps, image=False, seed=SEED)
-        runs = [("eager", c) for c in ["none", *size.cached]] + ([("compiled", "none")]
-                                                                 if size.compiled else [])
+        runs = torch_runs(size)
         rows = {f"torch {m} {c}": [] for m, c in runs}
         peaks = {}
         if ref is not None:
@@ -474,8 +467,7 @@ def phase_torch(args) -> dict:
                                    shift=pipe.shift, warmup_rounds=1 if r == 0 else 0,
                                    step_sync=True)
                 key = f"torch {mode} {name}"
-                rows[key].append(trajectory_row(traj, _plan_blocks(model, backend.plan),
-                                                steps=size.steps))
+                rows[key].append(trajectory_row(traj, backend, steps=size.steps))
                 peaks[key] = tws.peak_bytes(device)
             if ref is not None:
                 row = tws.run_diffusers(ref, setup, opts)
@@ -605,25 +597,32 @@ def verdicts(results: dict) -> dict:
     check = phases.get("check", {})
     out = {"latents agree with the CPU (both backends)":
            None if "jax" not in check else bool(check["jax"]["ok"] and check["torch"]["ok"])}
-    jx, th = phases.get("jax", {}).get("sizes", {}), phases.get("torch", {}).get("sizes", {})
-    for label in jx:
-        ours, theirs = jx[label]["runs"]["none"], th.get(label, {}).get("runs", {}).get("diffusers none")
+    for label in phases.get("jax", {}).get("sizes", {}):
+        rows = timed(results, label)
+        theirs = rows.get("diffusers none")
         out[f"{label}: our JAX step within 1.15x of diffusers'"] = \
-            None if theirs is None else ours["step_s"] <= 1.15 * theirs["step_s"]
-        shares = [speedup_share(jx[label]["runs"], name) for name in jx[label]["runs"] if name != "none"]
-        shares += [speedup_share(th.get(label, {}).get("runs", {}), name, prefix=f"torch {mode} ")
-                   for mode in ("eager", "compiled")
-                   for name in ("deepcache", "teacache")
-                   if f"torch {mode} {name}" in th.get(label, {}).get("runs", {})]
+            None if theirs is None else rows["jax none"]["step_s"] <= 1.15 * theirs["step_s"]
+        shares = [speedup(rows, key) / r["ideal"] for key, r in rows.items()
+                  if not key.endswith(" none")]
         if shares:
             out[f"{label}: every cached run at least 90% of its schedule ideal"] = min(shares) >= 0.9
     return out
 
 
-def speedup_share(runs: dict, name: str, prefix: str = "") -> float:
-    """A cached run's measured speedup over its backend's uncached run, as a share of its ideal."""
-    base, run = runs[f"{prefix}none"], runs[f"{prefix}{name}"]
-    return (base["wall_s"] / run["wall_s"]) / run["ideal"]
+def timed(results: dict, label: str) -> dict:
+    """Run name -> its summary at one size, both timing phases' runs together ("jax none",
+    "torch eager deepcache", "diffusers none", ...)."""
+    phases = results["phases"]
+    rows = {f"jax {k}": v for k, v in
+            phases.get("jax", {}).get("sizes", {}).get(label, {}).get("runs", {}).items()}
+    rows.update(phases.get("torch", {}).get("sizes", {}).get(label, {}).get("runs", {}))
+    return rows
+
+
+def speedup(rows: dict, key: str) -> float:
+    """A run's measured speedup over the same backend's uncached run (1 for that run itself)."""
+    base = rows.get(key.rsplit(" ", 1)[0] + " none", rows[key])
+    return base["wall_s"] / rows[key]["wall_s"]
 
 
 if __name__ == "__main__":

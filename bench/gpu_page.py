@@ -44,6 +44,8 @@ def lines(results: dict | None, plan: dict) -> list[str]:
 
 
 def _measured(results: dict) -> list[str]:
+    from bench.gpu import speedup as gpu_speedup
+    from bench.gpu import timed
     phases = results["phases"]
     smoke = phases.get("smoke", {})
     out = [f"- date: {results['date']}; command: `python -m bench.gpu{' --tiny' if results['tiny'] else ''}`",
@@ -80,11 +82,9 @@ def _measured(results: dict) -> list[str]:
         out += ["", "| run | computed | median s/step | wall s | speedup vs same backend uncached "
                 "| schedule ideal | share of ideal | first warm-up s | loop compiles |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        rows = {f"jax {k}": v for k, v in jx.get("sizes", {}).get(label, {}).get("runs", {}).items()}
-        rows.update(th.get("sizes", {}).get(label, {}).get("runs", {}))
+        rows = timed(results, label)
         for key, r in rows.items():
-            base = rows.get(key.rsplit(" ", 1)[0] + " none", r)
-            speedup = base["wall_s"] / r["wall_s"]
+            speedup = gpu_speedup(rows, key)
             warm = "-" if r["warmup_s"] is None else f"{r['warmup_s']:.1f}"
             out.append(f"| {key} | {r['computed']}/{r['steps']} | {r['step_s']:.3f} | "
                        f"{r['wall_s']:.2f} | {speedup:.2f}x | {r['ideal']:.2f}x | "
