@@ -398,8 +398,9 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         "from the spread over 3 held-out draws) is within the budget"))
     out.append(Method("ours budgeted speedup", "ours", [
         (f"speedup {s:g}", budgeted(("speedup", s))) for s in pick(list(SPEEDUPS))],
-        "--budget_speedup: the configuration of the same space with the least error bound among "
-        "those computing at most 1/s of the blocks on every calibration draw"))
+        "--budget_speedup: the configuration of the same space with the least typical error "
+        "(geometric mean over its calibration and screen draws) among those whose computed "
+        "fraction is bounded by 1/s"))
     return out
 
 

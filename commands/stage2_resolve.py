@@ -194,10 +194,11 @@ def _budgeted(args, pipe) -> tuple[CMConfig, dict]:
                          f"{calibrated['model']}; this run is {pipe.name}: calibrate it for "
                          f"{pipe.name}")
     config = config_from_args(args, choice.fields if choice is not None else {})
-    chosen = (dict.fromkeys(("choice", "config", "bound_rel_err", "predicted_computed_fraction"))
+    chosen = (dict.fromkeys(("choice", "config", "bound_rel_err", "typical_rel_err",
+                             "predicted_computed_fraction"))
               if choice is None else
               {"choice": choice.label, "config": choice.fields, "bound_rel_err": choice.bound,
-               "predicted_computed_fraction": choice.computed})
+               "typical_rel_err": choice.typical, "predicted_computed_fraction": choice.computed})
     return config, {"rel_err": args.budget_rel_err, "speedup": args.budget_speedup, **chosen,
                     "calibrated_steps": calibrated["steps"],
                     "calibrated_seeds": calibrated["seeds"]}
