@@ -205,9 +205,9 @@ TRAINED_NOTES = """\
   sigmas (every n-th step after the first few or at each phase mod n, the last 1-3 steps
   computed; steps paced by the size of the steps in sigma; or, at the high end, all but every
   k-th step of a middle window; linear forecast between) on its three calibration draws, and
-  `--budget_speedup s` takes the one with the least error bound among those whose computed
-  fraction stays within 1/s (bench/results/static_schedules.md). A static schedule reads
-  nothing from the device.
+  `--budget_speedup s` takes the one with the least typical error (geometric mean over its
+  calibration and screen draws) among those whose computed fraction stays within 1/s
+  (bench/results/static_schedules.md). A static schedule reads nothing from the device.
 - Every figure above is printed by this run; the standing tables name, for each best-peer
   point, which of our settings the comparison used.
 """
