@@ -263,8 +263,9 @@ def format_summary(report: dict) -> str:
             lines.append(f"budget: {target} -> no calibrated configuration promises it; "
                          "uncached")
         else:
-            lines.append(f"budget: {target} -> {b['choice']} (calibration: rel L2 <= "
-                         f"{b['bound_rel_err']:.2e} on an unseen draw, computed "
+            lines.append(f"budget: {target} -> {b['choice']} (calibration: rel L2 "
+                         f"{b['typical_rel_err']:.2e} typical, <= {b['bound_rel_err']:.2e} on an "
+                         f"unseen draw, computed "
                          f"{b['predicted_computed_fraction']:.3f} of the blocks); --compare "
                          "measures it")
     if "compare" in report:

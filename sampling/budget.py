@@ -268,11 +268,11 @@ def _log_stats(errors):
 
 
 def typical(errors) -> float:
-    """The geometric mean of the errors over 0 (the draws that reused); 0 if none did, inf if
-    one diverged."""
-    reused = [e for e in errors if e > 0.0]
-    if any(not math.isfinite(e) for e in reused):
+    """The geometric mean of the errors above 0 (the draws that reused); 0 if none did, inf if
+    a draw diverged (NaN or Infinity)."""
+    if any(not math.isfinite(e) for e in errors):
         return math.inf
+    reused = [e for e in errors if e > 0.0]
     return math.exp(_log_stats(reused)[0]) if reused else 0.0
 
 

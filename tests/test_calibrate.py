@@ -198,6 +198,7 @@ def test_a_speedup_takes_the_least_typical_error_where_an_error_budget_takes_the
     errors = [1.5e-4, 1.6e-4, 1.5e-4] + calm + [0.28]
     assert typical(errors) == pytest.approx(np.exp(np.mean(np.log(errors))))
     assert typical([0.0, 0.0]) == 0.0 and typical([1e-3, float("inf")]) == float("inf")
+    assert typical([1e-3, float("nan")]) == float("inf")  # diverged, as calibrate writes NaN
     assert typical([0.0, 1e-3, 4e-3]) == pytest.approx(2e-3)  # a draw that never reused: left out
     chosen = choose(budget, speedup=1.15)
     assert chosen.label == "one flip" and chosen.typical < choose(budget, speedup=1.25).typical
@@ -390,6 +391,7 @@ def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_p
     report = run(args)
     assert report["budget"]["choice"] == expected.label
     assert report["budget"]["bound_rel_err"] == pytest.approx(expected.bound)
+    assert report["budget"]["typical_rel_err"] == pytest.approx(expected.typical)
     assert report["time"]["cached_steps"] > 0
     assert report["compare"]["rel_l2"] <= target  # seed 0 was not a calibration draw
 
