@@ -106,8 +106,8 @@ def plan(tiny: bool = False) -> dict:
 
     pipe = get_pipeline(TINY if tiny else REAL)
     cfg = build_model(pipe.experts[0][1], meta=True).config
-    rows, total = [], dict(FIXED_SECONDS)
-    for label, size in sizes(tiny).items():
+    rows, total, timed_sizes = [], dict(FIXED_SECONDS), sizes(tiny)
+    for label, size in timed_sizes.items():
         shape = pipe.latent_shape(*size.pixels)
         tokens = pipe.tokens(shape)
         step_flops = 2 * call_flops(cfg, tokens)  # CFG: two calls a step
@@ -121,9 +121,9 @@ def plan(tiny: bool = False) -> dict:
                          expected_step_s=step_s, steps=size.steps, rounds=size.rounds, runs=runs,
                          expected_run_s=seconds))
         total[f"runs at {label}"] = seconds
-    total["jax compiles"] = COMPILE_SECONDS["jax"] * sum(len(jax_plans(s)) for s in sizes(tiny).values())
+    total["jax compiles"] = COMPILE_SECONDS["jax"] * sum(len(jax_plans(s)) for s in timed_sizes.values())
     total["torch compiles"] = COMPILE_SECONDS["torch_compile"] * sum(
-        len([r for r in timed_runs(s) if r.startswith("torch compiled")]) for s in sizes(tiny).values())
+        mode == "compiled" for s in timed_sizes.values() for mode, _ in torch_runs(s))
     return dict(model=pipe.name, blocks=cfg.num_layers, dim=cfg.dim, ffn=cfg.ffn_dim, sizes=rows,
                 seconds=total, total_s=sum(total.values()), peak_flops=H100_BF16_FLOPS,
                 assumed_mfu=ASSUMED_MFU, budget_s=DEVICE_MINUTES * 60)
@@ -576,11 +576,10 @@ def main(argv=None) -> int:
                  f"among {', '.join(PHASES)}")
     args.phases = phases
     out = args.out or (None if args.tiny else ROOT / "bench" / "results")
+    from bench.gpu_page import write
     if args.plan_only:
-        from bench.gpu_page import write
         write(out or ROOT / "bench" / "results", None, plan(args.tiny))
         return 0
-    from bench.gpu_page import write
     results = run_phases(args, (lambda r: write(out, r, r["plan"])) if out is not None else
                          (lambda r: None))
     smoke = results["phases"].get("smoke", {})

@@ -244,7 +244,7 @@ class Choice:
     bound: float  # the error the choice promises for a draw it has not seen
     computed: float  # mean computed fraction of block evaluations on the calibration draws
     computed_bound: float  # the most it may compute on a draw it has not seen
-    typical: float = 0.0  # geometric mean error over every draw it ran (0: it never reused)
+    typical: float  # geometric mean error over every draw it ran (typical())
 
 
 # one-sided 95% quantiles of Student's t by degrees of freedom (beyond the table: the normal's)
