@@ -73,6 +73,7 @@ from bench.pareto_report import (  # noqa: E402
 from bench.pareto_workload import (  # noqa: E402
     BUDGET_SEEDS,
     CALIBRATION_SEED,
+    CONFIRM_SEEDS,
     FOLLOW_SEEDS,
     INIT,
     SCREEN_SEEDS,
@@ -149,7 +150,7 @@ def budget_profile(wl: Workload, path: str) -> dict:
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
         block = calibrate.screen_space(
             backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
-            wl.shape)
+            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in CONFIRM_SEEDS})
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})
     return block
 
@@ -493,6 +494,7 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
              "uncached_cpu": (ours_base.cpu, their_base.cpu),
              "budget_unseen": unseen,
              "budget_screen": cache["budget"].get("screen_seeds", []) if "budget" in cache else [],
+             "budget_confirm": cache["budget"].get("confirm_seeds", []) if "budget" in cache else [],
              "about": {m.name: m.about for m in menu}}
     return rows, traces, facts
 
@@ -601,7 +603,8 @@ def main(argv=None) -> int:
         for metric in METRICS:
             print("\n".join(standing(rows, fam.key, metric)[0]))
         print("\n".join(budget_standing(rows, fam.key, facts[fam.key]["budget_unseen"],
-                                         facts[fam.key]["budget_screen"])[0]))
+                                         facts[fam.key]["budget_screen"],
+                                         facts[fam.key]["budget_confirm"])[0]))
         if fam.trained and args.follow:
             print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"

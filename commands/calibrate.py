@@ -156,14 +156,17 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
     return out
 
 
-def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, log=None) -> dict:
+def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, confirm_tensors=None,
+                 log=None) -> dict:
     """Budgeted mode's screening (sampling/budget.py screen): every candidate that some target
     chooses run on the screen draws too, against their uncached runs, until the choices are all
-    screened."""
+    screened; with confirm_tensors, every one an error budget chooses then confirmed on those."""
     from cache.flags import config_from_fields
 
+    confirm_tensors = confirm_tensors or {}
     score = _scorer(_runner(make_backend, pipe, latent_shape, steps=block["steps"],
-                            solver=block["solver"], shift=block["shift"]), screen_tensors)
+                            solver=block["solver"], shift=block["shift"]),
+                    {**screen_tensors, **confirm_tensors})
 
     def run(candidate, seed):
         shown.set_postfix_str(f"{candidate['label']}, seed {seed}", refresh=False)
@@ -172,10 +175,14 @@ def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, log
 
     def done(c):
         if log is not None:
-            log(f"  {c['label']}: screened rel L2 {' '.join(f'{e:.2e}' for e in c['screen']['rel_l2'])}")
+            for key, said in (("screen", "screened"), ("confirm", "confirmed")):
+                if key in c:
+                    log(f"  {c['label']}: {said} rel L2 "
+                        + " ".join(f"{e:.2e}" for e in c[key]["rel_l2"]))
 
     with progress.bar(None, "screening (configuration x draw)", unit="run") as shown:
-        return budget.screen(block, list(screen_tensors), run, done)
+        return budget.screen(block, list(screen_tensors), run, done,
+                             confirm_seeds=list(confirm_tensors))
 
 
 def budget_block(candidates, *, pipe_name, seeds, steps, solver, shift) -> dict:
@@ -244,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "drops out (on the trained HunyuanVideo-1.5 twin, 30 kept every error "
                          "budget on its page's 16 draws, where 3 alone missed 4 of 48 runs); 0: "
                          "none")
+    g.add_argument("--confirm_draws", type=int, default=0,
+                    help="with --budget: once screened, run every configuration an error budget "
+                         "would choose on this many further draws (seeds after the screen "
+                         "draws') against the bound it would be chosen on, so the luckiest of "
+                         "many configurations is not chosen on luck (sampling/budget.py); 0: none")
     return ap
 
 
@@ -261,6 +273,7 @@ class Calibration:
     degree: int
     budget: bool  # also measure every configuration budgeted mode chooses from
     screen_draws: int  # ...and screen the ones a target chooses on this many further draws
+    confirm_draws: int  # ...and confirm the ones an error budget chooses on this many more
     out: str
 
 
@@ -284,15 +297,19 @@ def resolve(args) -> Calibration:
     if screen and not args.budget:
         raise UsageError(f"--screen_draws {screen}: screening runs the budget's configurations; "
                          "expected --budget with it")
-    if first_seed + samples + screen > 2 ** 63:
-        raise UsageError(f"--first_seed {first_seed}: the samples' and screen draws' seeds run "
-                         f"past 2**63; expected a smaller --first_seed")
+    confirm = as_int("--confirm_draws", args.confirm_draws, minimum=0)
+    if confirm and not args.budget:
+        raise UsageError(f"--confirm_draws {confirm}: confirmation runs the budget's "
+                         "configurations; expected --budget with it")
+    if first_seed + samples + screen + confirm > 2 ** 63:
+        raise UsageError(f"--first_seed {first_seed}: the samples', screen and confirm draws' "
+                         f"seeds run past 2**63; expected a smaller --first_seed")
     check_path("--model_path", args.model_path)
     check_writable_file("--out", args.out)
     return Calibration(pipe=pipe, model_path=args.model_path, backend=args.backend,
                        samples=samples, steps=steps, first_seed=first_seed,
                        signal=args.teacache_signal, degree=degree, budget=args.budget,
-                       screen_draws=screen, out=args.out)
+                       screen_draws=screen, confirm_draws=confirm, out=args.out)
 
 
 def run(args) -> dict:
@@ -338,12 +355,15 @@ def calibrate(spec: Calibration) -> dict:
                                    log=lambda line: print(line, flush=True))
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
-        if spec.screen_draws:
+        if spec.screen_draws or spec.confirm_draws:
             first = spec.first_seed + spec.samples
-            screen = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
-                      for seed in range(first, first + spec.screen_draws)}
+            further = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
+                       for seed in range(first, first + spec.screen_draws + spec.confirm_draws)}
+            screen = dict(list(further.items())[:spec.screen_draws])
+            confirm = dict(list(further.items())[spec.screen_draws:])
             profile["budget"] = screen_space(lambda plan: _backend(spec.backend, models, plan),
                                              pipe, profile["budget"], screen, shape,
+                                             confirm_tensors=confirm,
                                              log=lambda line: print(line, flush=True))
     _write(spec.out, profile)  # once, at the end: an interrupted run leaves the old profile
     return {"calls": len(pairs), "result": result, "out": spec.out,
@@ -376,17 +396,21 @@ def format_summary(report: dict) -> str:
     b = report.get("budget")
     if b:
         screened = sum("screen" in c for c in b["candidates"])
+        confirmed = sum("confirm" in c for c in b["candidates"])
         lines.append(f"budget: {len(b['candidates'])} configurations on {len(b['seeds'])} draws "
                      f"(seeds {b['seeds'][0]}..{b['seeds'][-1]}), pooled spread of log errors "
                      f"{b['pooled_log_spread']:.2f}"
                      + (f"; {screened} screened on {len(b['screen_seeds'])} more draws"
                         if b.get("screen_seeds") else "")
+                     + (f"; {confirmed} confirmed on {len(b['confirm_seeds'])} more"
+                        if b.get("confirm_seeds") else "")
                      + "; bound for an unseen draw (95%):")
         for c, bound in zip(b["candidates"], budget.bounds(b["candidates"]), strict=True):
             computed = budget.computed_of(c)
             lines.append(f"  {c['label']}: rel L2 <= {bound:.2e}, computed "
                          f"{sum(computed) / len(computed):.3f}"
-                         + (" (screened)" if "screen" in c else ""))
+                         + (" (screened)" if "screen" in c else "")
+                         + (" (confirmed)" if "confirm" in c else ""))
     return "\n".join(lines)
 
 

@@ -43,6 +43,20 @@ out after a few draws, and every configuration a target chooses has run them all
 earns the tighter bound its many draws give). Screened errors sit beside the calibration draws' in
 each candidate's "screen" ({"rel_l2": [...], "computed": [...]}, one per screen draw it ran, in
 the order of budget.screen_seeds).
+
+Confirmation (`--confirm_draws N`). Screening picks, for an error budget, the cheapest of many
+configurations whose draws all stayed within it, and the luckiest of them wins: on the held-out
+Wan (seed 11) the 0.01 budget took a schedule that no calibration or screen draw took over 0.01
+and that went over it on 4 of 35 further ordinary draws (issue 39: a flip rate near 11%, which 33
+clean draws hide with a chance of 2%, and one of some 130 screened configurations will). So
+every configuration an error budget chooses, once screened, runs on N further draws against the
+bound it would be chosen on, frozen before them: it stops at the first draw over that bound,
+whose error its bound is then at least (the confirm draws only ever raise a bound; they are not
+pooled into it), and the choices are screened and confirmed again until every configuration an
+error budget chooses has passed. A configuration with flip rate p passes with chance (1 - p)^N:
+0.21 at 5% and N = 30, 0.74 at 1%. A speedup target's choice is not confirmed: it promises a
+computed fraction, which the screen draws already bound. Confirm errors sit in each candidate's
+"confirm", in the order of budget.confirm_seeds.
 """
 
 from __future__ import annotations
@@ -276,14 +290,17 @@ def typical(errors) -> float:
     return math.exp(_log_stats(reused)[0]) if reused else 0.0
 
 
+FURTHER = ("screen", "confirm")  # where a candidate's further draws sit, beside its calibration
+
+
 def errors_of(c) -> list:
     """A candidate's errors on every draw it ran: the calibration draws and, where it was
-    screened, the screen draws."""
-    return list(c["rel_l2"]) + list(c.get("screen", {}).get("rel_l2", ()))
+    screened or confirmed, those draws."""
+    return list(c["rel_l2"]) + [e for k in FURTHER for e in c.get(k, {}).get("rel_l2", ())]
 
 
 def computed_of(c) -> list:
-    return list(c["computed"]) + list(c.get("screen", {}).get("computed", ()))
+    return list(c["computed"]) + [f for k in FURTHER for f in c.get(k, {}).get("computed", ())]
 
 
 def pooled_spread(candidates) -> float:
@@ -305,19 +322,24 @@ def order_bound(errors) -> float:
 
 def bounds(candidates) -> list[float]:
     """Each configuration's error bound for a draw it has not seen (see the module's text), over
-    every draw it ran. The draws on which a configuration reused nothing (no error) are left out
-    of its statistics."""
+    its calibration and screen draws, and at least its every confirm draw's error. The draws on
+    which a configuration reused nothing (no error) are left out of its statistics."""
     pooled = pooled_spread(candidates)
     out = []
     for c in candidates:
-        errors = [e for e in errors_of(c) if e > 0.0]
-        if not errors:  # never reused on any draw
-            out.append(0.0)
+        confirmed = list(c.get("confirm", {}).get("rel_l2", ()))
+        # a confirm draw that diverged (NaN) breaks any promise
+        floor = max((e if math.isfinite(e) else math.inf for e in confirmed), default=0.0)
+        errors = [e for e in list(c["rel_l2"]) + list(c.get("screen", {}).get("rel_l2", ()))
+                  if e > 0.0]
+        if not errors:  # never reused on any calibration or screen draw
+            out.append(floor)
             continue
         n = len(errors)
         mean, spread = _log_stats(errors)
-        out.append(max(order_bound(errors), math.exp(mean + t95(max(n - 1, 1)) * max(spread, pooled)
-                                                     * math.sqrt(1.0 + 1.0 / n))))
+        out.append(max(floor, order_bound(errors),
+                       math.exp(mean + t95(max(n - 1, 1)) * max(spread, pooled)
+                                * math.sqrt(1.0 + 1.0 / n))))
     return out
 
 
@@ -366,9 +388,18 @@ def check(profile) -> dict:
     if len(set(seeds) | set(screen_seeds)) != len(seeds) + len(screen_seeds):
         refuse_field("budget.screen_seeds", screen_seeds,
                      "distinct seeds, none of them a calibration draw's (budget.seeds)")
+    confirm_seeds = json_list(budget.get("confirm_seeds", []), "budget.confirm_seeds",
+                              "the seeds of the confirm draws (calibrate --confirm_draws)")
+    for i, seed in enumerate(confirm_seeds):
+        json_int(seed, f"budget.confirm_seeds[{i}]")
+    if len(set(seeds) | set(screen_seeds) | set(confirm_seeds)) != (
+            len(seeds) + len(screen_seeds) + len(confirm_seeds)):
+        refuse_field("budget.confirm_seeds", confirm_seeds, "distinct seeds, none of them a "
+                     "calibration or screen draw's (budget.seeds, budget.screen_seeds)")
     candidates = json_list(budget.get("candidates", MISSING), "budget.candidates",
                            "a non-empty array of measured configurations", min_length=1)
-    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws, len(screen_seeds))
+    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws,
+                                {"screen": len(screen_seeds), "confirm": len(confirm_seeds)})
                for i, c in enumerate(candidates)]
     model = json_str(budget.get("model", MISSING), "budget.model")
     if model in PIPELINES:  # a profile of another model is refused by the run that reads it
@@ -383,9 +414,9 @@ def check(profile) -> dict:
     return budget
 
 
-def _check_candidate(c, where: str, draws: int, screen_draws: int) -> CMConfig:
-    json_object(c, where, "an object: label, config, rel_l2, computed (and screen where it was "
-                          "screened)")
+def _check_candidate(c, where: str, draws: int, further: dict) -> CMConfig:
+    json_object(c, where, "an object: label, config, rel_l2, computed (and screen and confirm "
+                          "where it ran those draws)")
     label = json_str(c.get("label", MISSING), f"{where}.label")
     fields = json_object(c.get("config", MISSING), f"{where}.config",
                          "an object, a partial CMConfig as a preset gives one")
@@ -394,13 +425,16 @@ def _check_candidate(c, where: str, draws: int, screen_draws: int) -> CMConfig:
     except ConfigError as exc:
         raise FieldError(f"{where}.config: {exc}") from None
     _check_draws(c, where, label, draws, "budget.seeds")
-    if "screen" in c:
-        if not screen_draws:
-            refuse_field(f"{where}.screen", c["screen"], "no screen: budget.screen_seeds is empty")
-        screen = json_object(c["screen"], f"{where}.screen", "an object: rel_l2, computed")
-        ran = screen.get("rel_l2")
-        ran = len(ran) if isinstance(ran, list) and 1 <= len(ran) <= screen_draws else screen_draws
-        _check_draws(screen, f"{where}.screen", label, ran, "the first screen draws (budget.screen_seeds)")
+    for key, most in further.items():
+        if key not in c:
+            continue
+        if not most:
+            refuse_field(f"{where}.{key}", c[key], f"no {key}: budget.{key}_seeds is empty")
+        block = json_object(c[key], f"{where}.{key}", "an object: rel_l2, computed")
+        ran = block.get("rel_l2")
+        ran = len(ran) if isinstance(ran, list) and 1 <= len(ran) <= most else most
+        _check_draws(block, f"{where}.{key}", label, ran,
+                     f"the first {key} draws (budget.{key}_seeds)")
     return config
 
 
@@ -441,28 +475,42 @@ def _check_blocks(candidates, configs, model: str, blocks: int) -> None:
                          "model's blocks (budget.model)")
 
 
-def screen(budget: dict, seeds, run, done=None) -> dict:
-    """The budget block screened on the draws `seeds` (see the module's text); run(candidate,
-    seed) -> (final-latent rel L2 against the uncached run of that draw, computed fraction);
-    done(candidate), if given, once each candidate's screen is in."""
-    seeds = list(seeds)
+def screen(budget: dict, seeds, run, done=None, confirm_seeds=()) -> dict:
+    """The budget block screened on the draws `seeds` and, where `confirm_seeds` are given, its
+    error budgets' choices confirmed on those (see the module's text); run(candidate, seed) ->
+    (final-latent rel L2 against the uncached run of that draw, computed fraction);
+    done(candidate), if given, each time a candidate's screen or confirmation is in."""
+    seeds, confirm_seeds = list(seeds), list(confirm_seeds)
     candidates = [dict(c) for c in budget["candidates"]]
     block = {**budget, "screen_seeds": seeds, "candidates": candidates}
-    def ran(i):
-        return len(candidates[i].get("screen", {}).get("rel_l2", ()))
+    if confirm_seeds:
+        block["confirm_seeds"] = confirm_seeds
 
-    while todo := sorted(i for i in reachable(block) if ran(i) < len(seeds)):
+    def todo(key, draws, chosen):
+        return sorted(i for i in chosen if len(candidates[i].get(key, {}).get("rel_l2", ()))
+                      < len(draws))
+
+    def next_job():
+        """Screen what some target chooses; once all of it is screened, confirm what an error
+        budget chooses (a broken confirmation moves a choice, which is screened first)."""
+        if indices := todo("screen", seeds, reachable(block)):
+            return "screen", seeds, indices
+        return "confirm", confirm_seeds, todo("confirm", confirm_seeds,
+                                              reachable(block, speedup=False))
+
+    while (job := next_job())[2]:
+        key, draws, indices = job
         promised = bounds(candidates)
-        for i in todo:  # a configuration stopped before and still chosen goes on where it stopped
-            errors = list(candidates[i].get("screen", {}).get("rel_l2", ()))
-            fractions = list(candidates[i].get("screen", {}).get("computed", ()))
-            for seed in seeds[len(errors):]:
+        for i in indices:  # one stopped before and still chosen goes on where it stopped
+            errors = list(candidates[i].get(key, {}).get("rel_l2", ()))
+            fractions = list(candidates[i].get(key, {}).get("computed", ()))
+            for seed in draws[len(errors):]:
                 error, fraction = run(candidates[i], seed)
                 errors.append(error)
                 fractions.append(fraction)
                 if not error <= promised[i]:  # over its promise, or diverged (NaN)
                     break
-            candidates[i]["screen"] = {"rel_l2": errors, "computed": fractions}
+            candidates[i][key] = {"rel_l2": errors, "computed": fractions}
             if done is not None:
                 done(candidates[i])
     return block
@@ -514,10 +562,13 @@ def choose(budget: dict, *, rel_err: float | None = None,
     return None if picked is None else picked[1]
 
 
-def reachable(budget: dict) -> set[int]:
-    """The candidates (indices) that some target chooses: an error budget's choice changes only
-    at a bound, a speedup's only at a computed bound, so trying those targets tries them all."""
+def reachable(budget: dict, *, speedup: bool = True) -> set[int]:
+    """The candidates (indices) that some target chooses (with speedup False, some error
+    budget): an error budget's choice changes only at a bound, a speedup's only at a computed
+    bound, so trying those targets tries them all."""
     choices = _choices(budget)
     picks = [_pick(choices, c.bound, None) for _, c in choices]
-    picks += [_pick(choices, None, 1.0 / c.computed_bound) for _, c in choices if c.computed_bound > 0]
+    if speedup:
+        picks += [_pick(choices, None, 1.0 / c.computed_bound) for _, c in choices
+                  if c.computed_bound > 0]
     return {x[0] for x in picks if x is not None}
