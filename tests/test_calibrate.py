@@ -244,6 +244,69 @@ def test_screening_stops_a_configuration_at_its_first_broken_promise_and_rechoos
     assert all(len(got[screened["candidates"][i]["label"]]) == 20 for i in reachable(screened))
 
 
+def confirmed(c, errors, computed=None):
+    return {**c, "confirm": {"rel_l2": errors, "computed": computed or [c["computed"][0]] * len(errors)}}
+
+
+def test_a_confirm_draw_only_raises_a_bound():
+    """Confirm draws are a test of the bound screening set, not more data for it: a calm one
+    leaves the bound as it was (pooled, 33 draws would loosen a max into a lower order
+    statistic), one over it raises the bound to its error, and one that diverged to infinity."""
+    from sampling.budget import bounds, choose
+    steady = screened(candidate("steady", [6e-3, 6.4e-3, 6.2e-3], [0.4] * 3), [6e-3] * 20)
+    before = bounds([steady])[0]
+    assert bounds([confirmed(steady, [1e-3] * 10)])[0] == before
+    assert bounds([confirmed(steady, [6e-3] * 9 + [0.2])])[0] == 0.2
+    assert bounds([confirmed(steady, [6e-3, float("nan")])])[0] == float("inf")
+    assert choose({"candidates": [confirmed(steady, [6e-3, float("nan")])]}, rel_err=1.0) is None
+    # its draws count toward the computed fraction promised, as the screen draws' do
+    slow = confirmed(steady, [6e-3] * 10, [0.4] * 9 + [0.6])
+    assert choose({"candidates": [slow]}, speedup=2.4) is None
+
+
+def test_confirmation_runs_an_error_budgets_choices_against_their_frozen_bound_and_rechooses():
+    """The held-out Wan, seed 11 (issue 39): the 0.01 budget chose the cheapest of ~130 screened
+    configurations whose 33 draws stayed within it, and it went over on 4 of 35 further draws.
+    Confirmation runs what an error budget would choose on further draws against the bound it
+    would be chosen on; one over it drops out, and what takes its place is screened, then
+    confirmed. A speedup's choice is not confirmed."""
+    from sampling.budget import choose, reachable, screen
+    budget = {"candidates": [
+        candidate("lucky", [3e-3, 3.2e-3, 3.1e-3], [0.3] * 3),
+        candidate("steady", [6e-3, 6.4e-3, 6.2e-3], [0.4] * 3),
+        candidate("spiky", [5e-4, 5.2e-4, 5.1e-4], [0.5] * 3)]}
+    flips = {("lucky", 52): 0.2, ("spiky", 15): 0.05}  # (configuration, draw): its error there
+    calls = []
+
+    def run(c, seed):
+        calls.append((c["label"], seed))
+        return flips.get((c["label"], seed), c["rel_l2"][0]), c["computed"][0]
+
+    block = screen(budget, range(10, 30), run, confirm_seeds=range(50, 60))
+    assert "confirm" not in budget["candidates"][0]  # the input is left as it was
+    assert block["confirm_seeds"] == list(range(50, 60))
+    got = {c["label"]: c for c in block["candidates"]}
+    # lucky: screened clean, then over its bound on its 3rd confirm draw; still the cheapest
+    # under 0.2, so it goes on from there
+    assert got["lucky"]["confirm"]["rel_l2"] == [3e-3, 3e-3, 0.2] + [3e-3] * 7
+    # steady, never chosen before lucky broke, is screened first, then confirmed
+    assert got["steady"]["screen"]["rel_l2"] == [6e-3] * 20
+    assert got["steady"]["confirm"]["rel_l2"] == [6e-3] * 10
+    steady = [seed for label, seed in calls if label == "steady"]
+    assert steady == list(range(10, 30)) + list(range(50, 60))
+    # spiky: screened (a speedup chooses it for its typical error), never confirmed
+    assert "confirm" not in got["spiky"] and len(got["spiky"]["screen"]["rel_l2"]) == 20
+    assert choose(block, speedup=2.0).label == "spiky"
+    assert len(calls) == 80
+    assert choose(budget, rel_err=0.01).label == "lucky"
+    assert choose(block, rel_err=0.01).label == "steady"
+    assert choose(block, rel_err=0.2).label == "lucky"
+    assert all("confirm" in block["candidates"][i] for i in reachable(block, speedup=False))
+    # without confirm draws, screening alone, as before
+    alone = screen(budget, range(10, 30), run)
+    assert "confirm_seeds" not in alone and choose(alone, rel_err=0.01).label == "lucky"
+
+
 def test_reachable_is_every_configuration_some_target_chooses():
     from sampling.budget import choose, reachable
     budget = {"candidates": [
@@ -355,6 +418,18 @@ def test_a_budget_profile_it_cannot_use_is_refused(tmp_path):
                                               "screen_seeds": seeds, "candidates": [one]}}))
         with pytest.raises(BudgetError, match=re.escape(field) + " "):
             load(str(bad))
+    # confirm draws likewise: seeds of their own (no calibration or screen draw's)
+    for seeds, one, field in [([4, 5], two, "budget.confirm_seeds"),
+                              ([1, 5], two, "budget.confirm_seeds"),
+                              ([], confirmed(two, [1e-3]), "budget.candidates[0].confirm"),
+                              ([5], confirmed(two, [1e-3] * 2), "budget.candidates[0].confirm.rel_l2"),
+                              ([5, 6], confirmed(two, [-1.0]), "budget.candidates[0].confirm.rel_l2[0]")]:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"budget": {"format": 2, "model": "m", "seeds": [1, 2], "steps": 4,
+                                              "screen_seeds": [3, 4], "confirm_seeds": seeds,
+                                              "candidates": [one]}}))
+        with pytest.raises(BudgetError, match=re.escape(field) + " "):
+            load(str(bad))
 
 
 SMALL_SPACE = (  # three configurations of the shipped space, so the test stays short
@@ -397,36 +472,45 @@ def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_p
 
 
 def test_screening_runs_every_configuration_a_target_chooses_on_the_further_draws(tmp_path,
-                                                                                  monkeypatch):
+                                                                                  monkeypatch,
+                                                                                  capsys):
     from sampling import budget
     monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
     path = tmp_path / "profile.json"
     assert calibrate.main(["--model", "wan-tiny-ti2v", "--samples", "2", "--first_seed", "1",
                            "--num_inference_steps", "12", "--budget", "--screen_draws", "2",
-                           "--out", str(path)]) == 0
+                           "--confirm_draws", "2", "--out", str(path)]) == 0
     measured = budget.load(str(path))
     assert measured["seeds"] == [1, 2] and measured["screen_seeds"] == [3, 4]
+    assert measured["confirm_seeds"] == [5, 6]
     screened = {i for i, c in enumerate(measured["candidates"]) if "screen" in c}
     assert screened and all(len(measured["candidates"][i]["screen"]["rel_l2"]) == 2
                             for i in budget.reachable(measured))
-    # the screen's figures are those configurations' runs on seeds 3 and 4, as a calibration
-    # on those seeds measures them
+    confirmed = {i for i, c in enumerate(measured["candidates"]) if "confirm" in c}
+    assert confirmed and confirmed <= screened
+    assert all(len(measured["candidates"][i]["confirm"]["rel_l2"]) == 2
+               for i in budget.reachable(measured, speedup=False))
+    assert f"{len(confirmed)} confirmed on 2 more" in capsys.readouterr().out
+    # the screen's and confirmation's figures are those configurations' runs on seeds 3 and 4,
+    # and 5 and 6, as a calibration on those seeds measures them
     pipe = get_pipeline("wan-tiny-ti2v")
     shape = pipe.latent_shape(*pipe.size)
     model = calibrate.load_models(pipe, None, torch.float32)
-    again = calibrate.measure_space(
-        lambda plan: TorchBackend(model, plan), pipe,
-        {seed: pipe.synthesize(shape, True, False, seed) for seed in (3, 4)}, shape, steps=12,
-        solver=pipe.solver, shift=pipe.shift,
-        space=[(measured["candidates"][i]["label"], measured["candidates"][i]["config"])
-               for i in sorted(screened)])
-    for i, m in zip(sorted(screened), again, strict=True):
-        ran = len(measured["candidates"][i]["screen"]["rel_l2"])  # stopped early, or both
-        assert measured["candidates"][i]["screen"] == {"rel_l2": pytest.approx(m["rel_l2"][:ran]),
+    for key, seeds, which in (("screen", (3, 4), screened), ("confirm", (5, 6), confirmed)):
+        again = calibrate.measure_space(
+            lambda plan: TorchBackend(model, plan), pipe,
+            {seed: pipe.synthesize(shape, True, False, seed) for seed in seeds}, shape, steps=12,
+            solver=pipe.solver, shift=pipe.shift,
+            space=[(measured["candidates"][i]["label"], measured["candidates"][i]["config"])
+                   for i in sorted(which)])
+        for i, m in zip(sorted(which), again, strict=True):
+            ran = len(measured["candidates"][i][key]["rel_l2"])  # stopped early, or both
+            assert measured["candidates"][i][key] == {"rel_l2": pytest.approx(m["rel_l2"][:ran]),
                                                       "computed": m["computed"][:ran]}
 
 
-def test_screen_draws_need_the_budget(tmp_path, capsys):
-    assert calibrate.main(["--model", "wan-tiny-ti2v", "--screen_draws", "2",
+@pytest.mark.parametrize("flag", ["--screen_draws", "--confirm_draws"])
+def test_screen_and_confirm_draws_need_the_budget(tmp_path, capsys, flag):
+    assert calibrate.main(["--model", "wan-tiny-ti2v", flag, "2",
                            "--out", str(tmp_path / "p.json")]) == 2
-    assert "--screen_draws 2" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+    assert f"{flag} 2" in capsys.readouterr().err and not (tmp_path / "p.json").exists()

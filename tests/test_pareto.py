@@ -146,7 +146,11 @@ def test_budget_standing_counts_only_caching_against_a_peer_point_that_exists():
     assert "screened" not in text
     screened = "\n".join(report.budget_standing(rows, "wan", unseen, tuple(range(34, 64)))[0])
     assert "calibrated on draws 1, 2, 3 and each configuration a target chooses screened on " \
-           "draws 34-63 (30 draws" in screened
+           "draws 34-63 (30 draws" in screened and "confirmed" not in screened
+    confirmed = "\n".join(report.budget_standing(rows, "wan", unseen, tuple(range(34, 64)),
+                                                 tuple(range(84, 114)))[0])
+    assert "(30 draws; sampling/budget.py), each one an error budget chooses confirmed on draws " \
+           "84-113 (30 draws)" in confirmed
 
 
 def test_mean_over_draws_is_each_draws_own_psnr_averaged():
