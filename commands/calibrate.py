@@ -248,9 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --budget: run every configuration a target would choose on this "
                          "many further draws (seeds after the samples'), again until the choices "
                          "are all screened, so a configuration that flips a rare fragile prompt "
-                         "drops out (on the trained HunyuanVideo-1.5 twin, 30 kept every error "
-                         "budget on its page's 16 draws, where 3 alone missed 4 of 48 runs); 0: "
-                         "none")
+                         "drops out (on the trained HunyuanVideo-1.5 twin, 3 draws alone missed 4 "
+                         "of 48 error budget runs on its page's 16 draws); 0: none")
     g.add_argument("--confirm_draws", type=int, default=0,
                     help="with --budget: once screened, run every configuration an error budget "
                          "would choose on this many further draws (seeds after the screen "
