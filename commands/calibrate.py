@@ -355,11 +355,12 @@ def calibrate(spec: Calibration) -> dict:
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
         if spec.screen_draws or spec.confirm_draws:
-            first = spec.first_seed + spec.samples
-            further = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
-                       for seed in range(first, first + spec.screen_draws + spec.confirm_draws)}
-            screen = dict(list(further.items())[:spec.screen_draws])
-            confirm = dict(list(further.items())[spec.screen_draws:])
+            def draws(first, count):
+                return {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed)
+                        for seed in range(first, first + count)}
+
+            screen = draws(spec.first_seed + spec.samples, spec.screen_draws)
+            confirm = draws(spec.first_seed + spec.samples + spec.screen_draws, spec.confirm_draws)
             profile["budget"] = screen_space(lambda plan: _backend(spec.backend, models, plan),
                                              pipe, profile["budget"], screen, shape,
                                              confirm_tensors=confirm,

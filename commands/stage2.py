@@ -122,8 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(--budget_profile, --teacache_policy poly:FILE) although it was measured on "
                    "other weights")
     g.add_argument("--budget_speedup", type=float, help="block-evaluation reduction to reach: the "
-                   "configuration with the least typical error (geometric mean over the calibration "
-                   "and screen draws) among those that reach it")
+                   "configuration with the least typical error (geometric mean over every draw the "
+                   "calibration ran) among those that reach it")
     g = parser.add_argument_group("outputs and reports")
     g.add_argument("--telemetry_json", help="write the summary and per-call decision trace here")
     g.add_argument("--telemetry_csv", help="write the per-call decision trace here as CSV")

@@ -381,25 +381,24 @@ def check(profile) -> dict:
     if len(set(seeds)) != len(seeds):
         refuse_field("budget.seeds", seeds, "distinct seeds, one per draw")
     draws = len(seeds)
-    screen_seeds = json_list(budget.get("screen_seeds", []), "budget.screen_seeds",
-                             "the seeds of the screen draws (calibrate --screen_draws)")
-    for i, seed in enumerate(screen_seeds):
-        json_int(seed, f"budget.screen_seeds[{i}]")
-    if len(set(seeds) | set(screen_seeds)) != len(seeds) + len(screen_seeds):
-        refuse_field("budget.screen_seeds", screen_seeds,
-                     "distinct seeds, none of them a calibration draw's (budget.seeds)")
-    confirm_seeds = json_list(budget.get("confirm_seeds", []), "budget.confirm_seeds",
-                              "the seeds of the confirm draws (calibrate --confirm_draws)")
-    for i, seed in enumerate(confirm_seeds):
-        json_int(seed, f"budget.confirm_seeds[{i}]")
-    if len(set(seeds) | set(screen_seeds) | set(confirm_seeds)) != (
-            len(seeds) + len(screen_seeds) + len(confirm_seeds)):
-        refuse_field("budget.confirm_seeds", confirm_seeds, "distinct seeds, none of them a "
-                     "calibration or screen draw's (budget.seeds, budget.screen_seeds)")
+    further = {}  # screen / confirm: how many such draws
+    taken, kinds, fields = set(seeds), ["calibration"], ["budget.seeds"]
+    for key in FURTHER:
+        field = f"budget.{key}_seeds"
+        more = json_list(budget.get(f"{key}_seeds", []), field,
+                         f"the seeds of the {key} draws (calibrate --{key}_draws)")
+        for i, seed in enumerate(more):
+            json_int(seed, f"{field}[{i}]")
+        if len(set(more)) != len(more) or taken & set(more):
+            refuse_field(field, more, f"distinct seeds, none of them a {' or '.join(kinds)} "
+                                      f"draw's ({', '.join(fields)})")
+        further[key] = len(more)
+        taken |= set(more)
+        kinds.append(key)
+        fields.append(field)
     candidates = json_list(budget.get("candidates", MISSING), "budget.candidates",
                            "a non-empty array of measured configurations", min_length=1)
-    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws,
-                                {"screen": len(screen_seeds), "confirm": len(confirm_seeds)})
+    configs = [_check_candidate(c, f"budget.candidates[{i}]", draws, further)
                for i, c in enumerate(candidates)]
     model = json_str(budget.get("model", MISSING), "budget.model")
     if model in PIPELINES:  # a profile of another model is refused by the run that reads it
