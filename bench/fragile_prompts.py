@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.pareto import BUDGETS  # noqa: E402
 from bench.pareto_workload import (  # noqa: E402
+    CONFIRM_FIRST,
     FOLLOW_SEEDS,
     SCREEN_SEEDS,
     SEED,
@@ -127,7 +128,8 @@ def main(argv=None) -> int:
                          "beside its unseen draws")
     ap.add_argument("--more", type=int, default=0,
                     help=f"further unseen draws after budgeted mode's screen draws (from draw "
-                         f"{SCREEN_SEEDS[-1] + 1}), beside the page's")
+                         f"{SCREEN_SEEDS[-1] + 1}, at most {CONFIRM_FIRST - SCREEN_SEEDS[-1] - 1}: "
+                         "then its confirm draws begin), beside the page's")
     ap.add_argument("--labels", default="",
                     help="further configurations of sampling/budget.py's space, '|'-separated")
     ap.add_argument("--protect", default="0,10",
@@ -136,8 +138,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     began = time.perf_counter()
-    if args.more < 0:
-        ap.error(f"--more {args.more}: expected a count of draws >= 0")
+    unseen = CONFIRM_FIRST - SCREEN_SEEDS[-1] - 1  # from CONFIRM_FIRST on: the confirm draws
+    if not 0 <= args.more <= unseen:
+        ap.error(f"--more {args.more}: expected a count of draws from 0 to {unseen} (draws "
+                 f"{CONFIRM_FIRST} on are budgeted mode's confirm draws, seen in calibration)")
     if args.checkpoint is not None and args.profile is None:
         ap.error("--checkpoint: give --profile too, the budget profile its own page calibrated")
     profile = args.profile or PROFILES[args.family]

@@ -73,6 +73,7 @@ from bench.pareto_report import (  # noqa: E402
 from bench.pareto_workload import (  # noqa: E402
     BUDGET_SEEDS,
     CALIBRATION_SEED,
+    CONFIRM_FIRST,
     CONFIRM_SEEDS,
     FOLLOW_SEEDS,
     INIT,
@@ -83,6 +84,7 @@ from bench.pareto_workload import (  # noqa: E402
     Family,
     Workload,
     build_workload,
+    confirm_seeds,
     families,
     held_out_clip,
     our_counter,
@@ -130,10 +132,11 @@ def our_mag_ratios(wl: Workload) -> dict:
 
 # --- our budgeted mode: calibrate on held-out draws, then ask for an error budget ------------
 
-def budget_profile(wl: Workload, path: str) -> dict:
+def budget_profile(wl: Workload, path: str, confirm_seeds=CONFIRM_SEEDS) -> dict:
     """`python -m commands.calibrate --budget`'s measurement on this workload: every
     configuration of sampling/budget.py's SPACE on the draws BUDGET_SEEDS (none of them
-    evaluated), written to `path`; returns the budget block."""
+    evaluated), on trained weights screened and confirmed (on `confirm_seeds`), written to
+    `path`; returns the budget block."""
     from commands import calibrate
     from sampling import budget
 
@@ -150,7 +153,7 @@ def budget_profile(wl: Workload, path: str) -> dict:
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
         block = calibrate.screen_space(
             backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
-            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in CONFIRM_SEEDS})
+            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm_seeds})
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})
     return block
 
@@ -162,7 +165,7 @@ def budgeted_config(cache: dict, wl: Workload, target: tuple[str, float]):
     from sampling.budget import choose
 
     if "budget" not in cache:
-        cache["budget"] = budget_profile(wl, cache["profile_path"])
+        cache["budget"] = budget_profile(wl, cache["profile_path"], cache["confirm_seeds"])
     choice = choose(cache["budget"], **{target[0]: target[1]})
     if choice is None:
         return CMConfig(), {"choice": None}
@@ -428,7 +431,8 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
     """Every run of one family: rows, traces and the baselines' facts."""
     wl = build_workload(family, args.steps)
     cache = {"counter": our_counter(wl),
-             "profile_path": os.path.join(args.out, f"budget_profile_{family.key}.json")}
+             "profile_path": os.path.join(args.out, f"budget_profile_{family.key}.json"),
+             "confirm_seeds": confirm_seeds(args.confirm_draws)}
     print(f"\n{family.title}: {family.config.num_layers} blocks, width "
           f"{getattr(family.config, 'dim', None) or family.config.hidden_size}, latent "
           f"{list(wl.shape)} ({wl.pipe.tokens(wl.shape)} tokens), {wl.steps} steps "
@@ -539,6 +543,10 @@ def main(argv=None) -> int:
                     "(official layout, config.json beside it; bench/fixtures/train.py --export) "
                     "in place of that family's committed one, its pipeline's sampling kept: the "
                     "further held-out model, or one trained elsewhere")
+    ap.add_argument("--confirm_draws", type=int, default=len(CONFIRM_SEEDS),
+                    help=f"trained weights: budgeted mode's error-budget choices confirmed on this "
+                         f"many further draws (from draw {CONFIRM_FIRST}; calibrate "
+                         f"--confirm_draws)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: steadier timings on a shared machine)")
     ap.add_argument("--jobs", type=int, default=1,
@@ -552,6 +560,8 @@ def main(argv=None) -> int:
         args.steps = 20
     if args.jobs < 1 or args.threads < 1:
         ap.error(f"--jobs {args.jobs} --threads {args.threads}: expected both 1 or more")
+    if args.confirm_draws < 0:
+        ap.error(f"--confirm_draws {args.confirm_draws}: expected a count of draws >= 0")
     if not 0 <= args.follow <= len(FOLLOW_SEEDS):
         ap.error(f"--follow: {args.follow}; expected 0 to {len(FOLLOW_SEEDS)}")
     if args.out is None:

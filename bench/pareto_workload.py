@@ -35,9 +35,17 @@ UNSEEN_SEEDS = (SEED, 4, 5, 6, 7)  # ...and is checked on five it never saw
 # --screen_draws; a fragile prompt flips under one configuration in 10-40 draws), after every
 # prompt-following draw (FOLLOW_SEEDS), so none is ever evaluated
 SCREEN_SEEDS = tuple(range(34, 64))
-# ...and what an error budget would choose is confirmed on 30 more (calibrate --confirm_draws),
-# after the further unseen draws bench/fragile_prompts.py --more takes (64 on)
-CONFIRM_SEEDS = tuple(range(84, 114))
+# ...and what an error budget would choose is confirmed on 30 more by default (calibrate
+# --confirm_draws; bench/pareto.py --confirm_draws), after the further unseen draws
+# bench/fragile_prompts.py --more takes (64 on)
+CONFIRM_FIRST = 84
+
+
+def confirm_seeds(count: int) -> tuple[int, ...]:
+    return tuple(range(CONFIRM_FIRST, CONFIRM_FIRST + count))
+
+
+CONFIRM_SEEDS = confirm_seeds(30)
 INIT = ("smooth in t (bench/workload.py: Gaussian low-pass over the time embedder's sinusoid "
         "columns, cutoff period 300 timesteps, power renormalised; modulation weights x3), "
         "torch.manual_seed(0) draw, fp32")

@@ -37,10 +37,12 @@ def test_another_checkpoint_needs_the_profile_its_page_calibrated(capsys):
     assert exc.value.code == 2 and "give --profile too" in capsys.readouterr().err
 
 
-def test_more_draws_must_be_a_count(capsys):
+@pytest.mark.parametrize("more", ["-1", "21"])
+def test_more_draws_must_be_a_count_of_unseen_draws(capsys, more):
     with pytest.raises(SystemExit) as exc:
-        fp.main(["--family", "hunyuan", "--more", "-1"])
-    assert exc.value.code == 2 and "--more -1" in capsys.readouterr().err
+        fp.main(["--family", "hunyuan", "--more", more])
+    assert exc.value.code == 2 and f"--more {more}: expected a count of draws from 0 to 20" \
+        in capsys.readouterr().err
 
 
 def test_bf16_weights_round_every_weight_and_restore_them_and_chaotic_draws_stand_out():

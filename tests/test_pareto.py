@@ -164,3 +164,14 @@ def test_mean_over_draws_is_each_draws_own_psnr_averaged():
     two = fidelity(run[1:], base[1:], noise[1:])["psnr_db"]
     assert report.mean_psnr(run, base, noise) == pytest.approx((one + two) / 2)
     assert report.mean_psnr(base, base, noise) == math.inf
+
+
+@pytest.mark.parametrize("count", [30, 60, 200])
+def test_budget_draws_never_meet_an_evaluated_draw(count):
+    # budgeted mode's calibration, screen and confirm draws (bench/pareto.py --confirm_draws) stay
+    # apart from every draw a page or bench/fragile_prompts.py --more (at most 20) evaluates it on
+    tuned = set(pw.BUDGET_SEEDS) | set(pw.SCREEN_SEEDS) | set(pw.confirm_seeds(count))
+    evaluated = (set(pw.UNSEEN_SEEDS) | set(pw.FOLLOW_SEEDS)
+                 | set(range(pw.SCREEN_SEEDS[-1] + 1, pw.CONFIRM_FIRST)))
+    assert not tuned & evaluated
+    assert len(pw.confirm_seeds(count)) == count and pw.CONFIRM_SEEDS == pw.confirm_seeds(30)
