@@ -174,4 +174,4 @@ def test_budget_draws_never_meet_an_evaluated_draw(count):
     evaluated = (set(pw.UNSEEN_SEEDS) | set(pw.FOLLOW_SEEDS)
                  | set(range(pw.SCREEN_SEEDS[-1] + 1, pw.CONFIRM_FIRST)))
     assert not tuned & evaluated
-    assert len(pw.confirm_seeds(count)) == count and pw.CONFIRM_SEEDS == pw.confirm_seeds(30)
+    assert len(pw.confirm_seeds(count)) == count and pw.CONFIRM_SEEDS == pw.confirm_seeds(60)
