@@ -5,7 +5,8 @@ On the trained HunyuanVideo-1.5 twin, budgeted mode calibrated on 3 draws kept 7
 x draw runs: the two misses were the pooled point of 12 held-out prompts, whose error one prompt
 made (since then budgeted mode screens its choices on 30 more draws, sampling/budget.py). This
 bench runs each configuration on each draw alone (the trained page's 12 prompts and its 4 unseen
-draws, and --more draws after the screen draws) against the uncached run of the same draw, so a
+draws, --more draws after the screen draws and --beyond draws after every draw its calibration
+saw) against the uncached run of the same draw, so a
 miss shows which draw made it and by how much; and each configuration again with its first W
 steps computed (a static schedule: those steps added; a threshold: --cache_warmup W), to see
 whether computing the layout phase stops it. Beside them, each draw's uncached run with its
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.pareto import BUDGETS  # noqa: E402
 from bench.pareto_workload import (  # noqa: E402
     CONFIRM_FIRST,
+    CONFIRM_SEEDS,
     FOLLOW_SEEDS,
     SCREEN_SEEDS,
     SEED,
@@ -116,6 +118,14 @@ def chosen_labels(profile: str) -> list[tuple[float, str]]:
     return out
 
 
+def beyond_draws(block: dict, count: int) -> list[int]:
+    """`count` draws after every draw a budget block was calibrated, screened or confirmed on,
+    and after the default confirm draws (so an older profile's never meet --more's either)."""
+    seen = [*block["seeds"], *block.get("screen_seeds", ()), *block.get("confirm_seeds", ()),
+            CONFIRM_SEEDS[-1]]
+    return list(range(max(seen) + 1, max(seen) + 1 + count))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=("hunyuan", "wan"), default="hunyuan")
@@ -130,6 +140,10 @@ def main(argv=None) -> int:
                     help=f"further unseen draws after budgeted mode's screen draws (from draw "
                          f"{SCREEN_SEEDS[-1] + 1}, at most {CONFIRM_FIRST - SCREEN_SEEDS[-1] - 1}: "
                          "then its confirm draws begin), beside the page's")
+    ap.add_argument("--beyond", type=int, default=0,
+                    help=f"further unseen draws after every draw the profile's calibration saw "
+                         f"(from draw {CONFIRM_SEEDS[-1] + 1} or later): a larger sample of "
+                         "unseen draws than the page's")
     ap.add_argument("--labels", default="",
                     help="further configurations of sampling/budget.py's space, '|'-separated")
     ap.add_argument("--protect", default="0,10",
@@ -142,6 +156,8 @@ def main(argv=None) -> int:
     if not 0 <= args.more <= unseen:
         ap.error(f"--more {args.more}: expected a count of draws from 0 to {unseen} (draws "
                  f"{CONFIRM_FIRST} on are budgeted mode's confirm draws, seen in calibration)")
+    if args.beyond < 0:
+        ap.error(f"--beyond {args.beyond}: expected a count of draws >= 0")
     if args.checkpoint is not None and args.profile is None:
         ap.error("--checkpoint: give --profile too, the budget profile its own page calibrated")
     profile = args.profile or PROFILES[args.family]
@@ -159,7 +175,8 @@ def main(argv=None) -> int:
         ap.error(f"--labels: {unknown} are not in sampling/budget.py's space for this run")
     firsts = [int(x) for x in args.protect.split(",")]
     draws = (list(FOLLOW_SEEDS[:args.prompts]) + [s for s in UNSEEN_SEEDS if s != SEED]
-             + list(range(SCREEN_SEEDS[-1] + 1, SCREEN_SEEDS[-1] + 1 + args.more)))
+             + list(range(SCREEN_SEEDS[-1] + 1, SCREEN_SEEDS[-1] + 1 + args.more))
+             + beyond_draws(budget.load(profile), args.beyond))
     counter = our_counter(wl)
     errors: dict = {}  # (label, first) -> [rel L2 per draw]
     bf16: list[float] = []  # the uncached run with bf16-rounded weights, per draw
@@ -186,7 +203,13 @@ def main(argv=None) -> int:
              f"Reproduce: `python bench/fragile_prompts.py {shlex.join(argv or sys.argv[1:])}` "
              f"({(time.perf_counter() - began) / 60:.1f} min). TRAINED weights; every figure is "
              "one draw's final-latent rel L2 against the uncached run of the same draw (no "
-             "pooling). Budgeted mode's choices for the trained page's error budgets, from "
+             f"pooling). Draws: {args.prompts} of the page's held-out prompts and its unseen draws "
+             f"{', '.join(str(x) for x in UNSEEN_SEEDS if x != SEED)}"
+             + (f", {args.more} after the screen draws ({SCREEN_SEEDS[-1] + 1} on)" if args.more
+                else "")
+             + (f", {args.beyond} after every draw the calibration saw ({draws[-args.beyond]} on)"
+                if args.beyond else "")
+             + ". Budgeted mode's choices for the trained page's error budgets, from "
              f"`{os.path.relpath(profile)}`: "
              + "; ".join(f"rel L2 budget {e:g}: {label}" for e, label in targets) + ".", "",
              "first W: the configuration with its first W steps computed (a static schedule: "

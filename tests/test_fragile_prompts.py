@@ -56,3 +56,21 @@ def test_bf16_weights_round_every_weight_and_restore_them_and_chaotic_draws_stan
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     errors = [2e-3, 1.9e-3, 2.8e-1, 2.4e-3, 3.8e-2, 1.7e-3, 9e-3]  # draw 63 and 71's kind
     assert fp.chaotic([10, 11, 63, 12, 71, 13, 14], errors) == {63, 71}
+
+
+def test_beyond_draws_follow_every_draw_the_calibration_saw():
+    confirmed = {"seeds": [1, 2, 3], "screen_seeds": list(range(34, 64)),
+                 "confirm_seeds": list(range(84, 204))}
+    assert fp.beyond_draws(confirmed, 3) == [204, 205, 206]
+    # an older profile (confirmed on fewer draws, or not at all) still starts after the default
+    # confirm draws, so none meets a draw --more or a newer calibration takes
+    assert fp.beyond_draws({"seeds": [1, 2, 3], "screen_seeds": list(range(34, 64))}, 2) \
+        == [fp.CONFIRM_SEEDS[-1] + 1, fp.CONFIRM_SEEDS[-1] + 2]
+    assert fp.beyond_draws(confirmed, 0) == []
+
+
+def test_beyond_must_be_a_count(capsys):
+    with pytest.raises(SystemExit) as exc:
+        fp.main(["--family", "hunyuan", "--beyond", "-2"])
+    assert exc.value.code == 2 and "--beyond -2: expected a count of draws >= 0" \
+        in capsys.readouterr().err
