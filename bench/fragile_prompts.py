@@ -118,6 +118,9 @@ def chosen_labels(profile: str) -> list[tuple[float, str]]:
     return out
 
 
+MORE = CONFIRM_FIRST - SCREEN_SEEDS[-1] - 1  # --more's most: from CONFIRM_FIRST on, confirm draws
+
+
 def beyond_draws(block: dict, count: int) -> list[int]:
     """`count` draws after every draw a budget block was calibrated, screened or confirmed on,
     and after the default confirm draws (so an older profile's never meet --more's either)."""
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
                          "beside its unseen draws")
     ap.add_argument("--more", type=int, default=0,
                     help=f"further unseen draws after budgeted mode's screen draws (from draw "
-                         f"{SCREEN_SEEDS[-1] + 1}, at most {CONFIRM_FIRST - SCREEN_SEEDS[-1] - 1}: "
+                         f"{SCREEN_SEEDS[-1] + 1}, at most {MORE}: "
                          "then its confirm draws begin), beside the page's")
     ap.add_argument("--beyond", type=int, default=0,
                     help=f"further unseen draws after every draw the profile's calibration saw "
@@ -152,9 +155,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     began = time.perf_counter()
-    unseen = CONFIRM_FIRST - SCREEN_SEEDS[-1] - 1  # from CONFIRM_FIRST on: the confirm draws
-    if not 0 <= args.more <= unseen:
-        ap.error(f"--more {args.more}: expected a count of draws from 0 to {unseen} (draws "
+    if not 0 <= args.more <= MORE:
+        ap.error(f"--more {args.more}: expected a count of draws from 0 to {MORE} (draws "
                  f"{CONFIRM_FIRST} on are budgeted mode's confirm draws, seen in calibration)")
     if args.beyond < 0:
         ap.error(f"--beyond {args.beyond}: expected a count of draws >= 0")

@@ -135,10 +135,10 @@ def our_mag_ratios(wl: Workload) -> dict:
 
 # --- our budgeted mode: calibrate on held-out draws, then ask for an error budget ------------
 
-def budget_profile(wl: Workload, path: str, confirm_seeds=CONFIRM_SEEDS) -> dict:
+def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS) -> dict:
     """`python -m commands.calibrate --budget`'s measurement on this workload: every
     configuration of sampling/budget.py's SPACE on the draws BUDGET_SEEDS (none of them
-    evaluated), on trained weights screened and confirmed (on `confirm_seeds`), written to
+    evaluated), on trained weights screened and confirmed (on the draws `confirm`), written to
     `path`; returns the budget block."""
     from commands import calibrate
     from sampling import budget
@@ -156,7 +156,7 @@ def budget_profile(wl: Workload, path: str, confirm_seeds=CONFIRM_SEEDS) -> dict
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
         block = calibrate.screen_space(
             backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
-            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm_seeds})
+            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm})
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})
     return block
 
@@ -177,8 +177,8 @@ def budgeted_config(cache: dict, wl: Workload, target: tuple[str, float]):
 
 
 def targets(trained: bool) -> list[tuple[str, float]]:
-    return ([("rel_err", b) for b in BUDGETS["trained" if trained else "random"]]
-            + [("speedup", s) for s in SPEEDUPS["trained" if trained else "random"]])
+    regime = "trained" if trained else "random"
+    return [("rel_err", b) for b in BUDGETS[regime]] + [("speedup", s) for s in SPEEDUPS[regime]]
 
 
 def budgets_on_unseen_draws(wl: Workload, cache: dict) -> list[dict]:
@@ -399,13 +399,13 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
 
     out.append(Method("ours budgeted", "ours", [
         (f"rel L2 budget {b:g}", budgeted(("rel_err", b)))
-        for b in pick(list(BUDGETS["trained" if trained else "random"]))],
+        for b in pick([x for kind, x in targets(trained) if kind == "rel_err"])],
         "--budget_rel_err: the cheapest configuration of sampling/budget.py's space (the shipped "
         "techniques and the static schedules of the run's sigmas) whose error bound (95%, learned "
         "from the spread over 3 held-out draws) is within the budget"))
     out.append(Method("ours budgeted speedup", "ours", [
         (f"speedup {s:g}", budgeted(("speedup", s)))
-        for s in pick(list(SPEEDUPS["trained" if trained else "random"]))],
+        for s in pick([x for kind, x in targets(trained) if kind == "speedup"])],
         "--budget_speedup: the configuration of the same space with the least typical error "
         "(geometric mean over its calibration and screen draws) among those whose computed "
         "fraction is bounded by 1/s"))
