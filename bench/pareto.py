@@ -35,6 +35,7 @@ reported as such; nothing is estimated in its place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -135,28 +136,45 @@ def our_mag_ratios(wl: Workload) -> dict:
 
 # --- our budgeted mode: calibrate on held-out draws, then ask for an error budget ------------
 
-def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS) -> dict:
+def runs_path(out: str, family: str) -> str:
+    """Where a page's calibration keeps its finished runs until the page is written: a killed
+    page resumes its calibration from them (commands/calibration_runs.py)."""
+    return os.path.join(out, f"budget_runs_{family}.jsonl")
+
+
+def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) -> dict:
     """`python -m commands.calibrate --budget`'s measurement on this workload: every
     configuration of sampling/budget.py's SPACE on the draws BUDGET_SEEDS (none of them
     evaluated), on trained weights screened and confirmed (on the draws `confirm`), written to
-    `path`; returns the budget block."""
+    `path`; returns the budget block. With `runs` (a path), every finished run is kept there and
+    the runs it already holds are not run again."""
     from commands import calibrate
+    from commands.calibration_runs import RunMemo
+    from modules.checkpoint import model_fingerprint
     from sampling import budget
 
     def backend(plan):
         return TorchBackend({None: wl.model}, plan)
 
+    memo = None if runs is None else RunMemo(runs, {
+        "weights": model_fingerprint(wl.model), "model": wl.pipe.name, "steps": wl.steps,
+        "solver": wl.pipe.solver, "shift": wl.pipe.shift, "shape": list(wl.shape),
+        "guidance": wl.guidance, "threads": torch.get_num_threads()})
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     candidates = calibrate.measure_space(
         backend, wl.pipe, draws, wl.shape,
         steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift,
-        space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
+        space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift), memo=memo)
     block = calibrate.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
                                    steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
         block = calibrate.screen_space(
             backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
-            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm})
+            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm},
+            memo=memo)
+    if memo is not None and memo.reused:
+        print(f"calibration: {memo.reused} runs taken from {os.path.relpath(runs)} (resumed)",
+              flush=True)
     _write_json(path, {"source": f"bench/pareto.py: {wl.family.title}", "budget": block})
     return block
 
@@ -168,7 +186,8 @@ def budgeted_config(cache: dict, wl: Workload, target: tuple[str, float]):
     from sampling.budget import choose
 
     if "budget" not in cache:
-        cache["budget"] = budget_profile(wl, cache["profile_path"], cache["confirm_seeds"])
+        cache["budget"] = budget_profile(wl, cache["profile_path"], cache["confirm_seeds"],
+                                         cache.get("runs_path"))
     choice = choose(cache["budget"], **{target[0]: target[1]})
     if choice is None:
         return CMConfig(), {"choice": None}
@@ -436,7 +455,8 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
     wl = build_workload(family, args.steps)
     cache = {"counter": our_counter(wl),
              "profile_path": os.path.join(args.out, f"budget_profile_{family.key}.json"),
-             "confirm_seeds": confirm_seeds(args.confirm_draws)}
+             "confirm_seeds": confirm_seeds(args.confirm_draws),
+             "runs_path": runs_path(args.out, family.key)}
     print(f"\n{family.title}: {family.config.num_layers} blocks, width "
           f"{getattr(family.config, 'dim', None) or family.config.hidden_size}, latent "
           f"{list(wl.shape)} ({wl.pipe.tokens(wl.shape)} tokens), {wl.steps} steps "
@@ -612,6 +632,9 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - began
     write_readme(os.path.join(args.out, "README.md"), rows, fams, facts, args, elapsed,
                  (load, os.getloadavg()[0]), have_plot)
+    for fam in fams:  # the page is whole: its profile holds every calibration run it needs
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(runs_path(args.out, fam.key))
     for fam in fams:
         print(f"\n{fam.title}: where we stand")
         for metric in METRICS:

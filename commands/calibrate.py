@@ -46,6 +46,7 @@ from sampling.schedulers import SchedulerError
 from sampling.stage_io import StageFileError, atomic_write, check_writable_file
 from sampling.stages import SignalPlan
 
+from .calibration_runs import RunMemo
 from .stage2_backend import load_models
 
 
@@ -111,41 +112,46 @@ def _runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
     return once
 
 
-def _scorer(once, tensors_by_seed):
-    """score(config, seed) -> (final-latent rel L2 against the uncached run of the same draw,
-    computed fraction); each draw's uncached run once, when first needed."""
+def _scorer(once, tensors_by_seed, memo=None):
+    """score(fields, seed) -> (final-latent rel L2 against the uncached run of the same draw,
+    computed fraction); each draw's uncached run once, when first needed; with a RunMemo
+    (commands/calibration_runs.py), a run it holds is not run again and every new one goes in."""
+    from cache.flags import config_from_fields
     from sampling.fidelity import fidelity
 
     refs = {}
 
-    def score(config, seed):
+    def score(fields, seed):
+        if memo is not None and (found := memo.get(fields, seed)) is not None:
+            return found
         tensors = tensors_by_seed[seed]
         if seed not in refs:
             refs[seed] = once(CMConfig(), seed, tensors)[0]
-        latents, fraction = once(config, seed, tensors)
-        return float(fidelity(latents, refs[seed])["rel_l2"]), float(fraction)
+        latents, fraction = once(config_from_fields(fields), seed, tensors)
+        out = float(fidelity(latents, refs[seed])["rel_l2"]), float(fraction)
+        if memo is not None:
+            memo.add(fields, seed, *out)
+        return out
 
     return score
 
 
 def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, solver, shift,
-                  space, log=None):
+                  space, log=None, memo=None):
     """Budgeted mode's calibration: every (label, fields) of `space` on every draw, each against
     the uncached run of the same draw. [{label, config, rel_l2: [per draw], computed: [per
-    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail)."""
-    from cache.flags import config_from_fields
-
+    draw]}]; computed is the fraction of block evaluations (a reuse runs the probe and tail);
+    with `memo` (a RunMemo) the runs it holds are not run again."""
     score = _scorer(_runner(make_backend, pipe, latent_shape, steps=steps, solver=solver,
-                            shift=shift), tensors_by_seed)
+                            shift=shift), tensors_by_seed, memo)
     out = []
     with progress.bar(len(tensors_by_seed) * len(space), "calibrating (configuration x draw)",
                       unit="run") as shown:
         for label, fields in space:
-            config = config_from_fields(fields)
             errors, fractions = [], []
             for seed in tensors_by_seed:
                 shown.set_postfix_str(f"{label}, seed {seed}", refresh=False)
-                error, fraction = score(config, seed)
+                error, fraction = score(fields, seed)
                 errors.append(error)
                 fractions.append(fraction)
                 shown.update(1)
@@ -157,21 +163,20 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
 
 
 def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, confirm_tensors=None,
-                 log=None) -> dict:
+                 log=None, memo=None) -> dict:
     """Budgeted mode's screening (sampling/budget.py screen): every candidate that some target
     chooses run on the screen draws too, against their uncached runs, until the choices are all
-    screened; with confirm_tensors, every one an error budget chooses then confirmed on those."""
-    from cache.flags import config_from_fields
-
+    screened; with confirm_tensors, every one an error budget chooses then confirmed on those;
+    with `memo` (a RunMemo) the runs it holds are not run again."""
     confirm_tensors = confirm_tensors or {}
     score = _scorer(_runner(make_backend, pipe, latent_shape, steps=block["steps"],
                             solver=block["solver"], shift=block["shift"]),
-                    {**screen_tensors, **confirm_tensors})
+                    {**screen_tensors, **confirm_tensors}, memo)
 
     def run(candidate, seed):
         shown.set_postfix_str(f"{candidate['label']}, seed {seed}", refresh=False)
         shown.update(1)
-        return score(config_from_fields(candidate["config"]), seed)
+        return score(candidate["config"], seed)
 
     def done(c):
         if log is not None:
@@ -255,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "would choose on this many further draws (seeds after the screen "
                          "draws') against the bound it would be chosen on, so the luckiest of "
                          "many configurations is not chosen on luck (sampling/budget.py); 0: none")
+    g.add_argument("--runs", help="with --budget: keep every finished configuration run in this "
+                   "JSON-lines file as it lands; a rerun with the same file, weights and "
+                   "settings takes the runs it holds instead of sampling them again (resume a "
+                   "killed calibration; commands/calibration_runs.py)")
     return ap
 
 
@@ -274,6 +283,7 @@ class Calibration:
     screen_draws: int  # ...and screen the ones a target chooses on this many further draws
     confirm_draws: int  # ...and confirm the ones an error budget chooses on this many more
     out: str
+    runs: str | None = None  # where finished budget runs are kept, and resumed from
 
 
 def resolve(args) -> Calibration:
@@ -303,12 +313,18 @@ def resolve(args) -> Calibration:
     if first_seed + samples + screen + confirm > 2 ** 63:
         raise UsageError(f"--first_seed {first_seed}: the samples', screen and confirm draws' "
                          f"seeds run past 2**63; expected a smaller --first_seed")
+    if args.runs is not None and not args.budget:
+        raise UsageError(f"--runs {args.runs}: it keeps the budget's configuration runs; "
+                         "expected --budget with it")
     check_path("--model_path", args.model_path)
     check_writable_file("--out", args.out)
+    if args.runs is not None:
+        check_writable_file("--runs", args.runs)
     return Calibration(pipe=pipe, model_path=args.model_path, backend=args.backend,
                        samples=samples, steps=steps, first_seed=first_seed,
                        signal=args.teacache_signal, degree=degree, budget=args.budget,
-                       screen_draws=screen, confirm_draws=confirm, out=args.out)
+                       screen_draws=screen, confirm_draws=confirm, out=args.out,
+                       runs=args.runs)
 
 
 def run(args) -> dict:
@@ -332,6 +348,12 @@ def calibrate(spec: Calibration) -> dict:
     shape = pipe.latent_shape(*pipe.size)
     seeds = range(spec.first_seed, spec.first_seed + spec.samples)
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
+    fingerprints = {expert: model_fingerprint(m) for expert, m in models.items()}
+    # read (and refuse) the runs file before any sampling
+    memo = None if spec.runs is None else RunMemo(spec.runs, {
+        "weights": fingerprints, "model": pipe.name, "steps": steps, "solver": pipe.solver,
+        "shift": pipe.shift, "shape": list(shape), "backend": spec.backend,
+        "threads": torch.get_num_threads()})
     pairs, ratios = collect(backend, pipe, tensors, shape, signal=spec.signal,
                             steps=steps, solver=pipe.solver, shift=pipe.shift)
     result = fit(pairs, spec.degree)
@@ -340,7 +362,7 @@ def calibrate(spec: Calibration) -> dict:
         "source": f"commands.calibrate: {pipe.name}, {spec.samples} samples x {steps} steps "
                   f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}",
         # which weights these figures hold for: stage 2 refuses the profile for others
-        "weights_fingerprint": {expert: model_fingerprint(m) for expert, m in models.items()},
+        "weights_fingerprint": fingerprints,
         **result,
         # MagCache's plan (--magcache_profile): the same runs' magnitude ratios
         magcache.PROFILE_KEY: {**{b: [round(x, 6) for x in v] for b, v in ratios.items()},
@@ -351,7 +373,7 @@ def calibrate(spec: Calibration) -> dict:
                                    tensors, shape, steps=steps, solver=pipe.solver,
                                    shift=pipe.shift,
                                    space=budget.space(pipe.solver, steps, pipe.shift),
-                                   log=lambda line: print(line, flush=True))
+                                   log=lambda line: print(line, flush=True), memo=memo)
         profile["budget"] = budget_block(candidates, pipe_name=pipe.name, seeds=list(seeds),
                                          steps=steps, solver=pipe.solver, shift=pipe.shift)
         if spec.screen_draws or spec.confirm_draws:
@@ -364,7 +386,7 @@ def calibrate(spec: Calibration) -> dict:
             profile["budget"] = screen_space(lambda plan: _backend(spec.backend, models, plan),
                                              pipe, profile["budget"], screen, shape,
                                              confirm_tensors=confirm,
-                                             log=lambda line: print(line, flush=True))
+                                             log=lambda line: print(line, flush=True), memo=memo)
     _write(spec.out, profile)  # once, at the end: an interrupted run leaves the old profile
     return {"calls": len(pairs), "result": result, "out": spec.out,
             "budget": profile.get("budget"), "warnings": fit_warnings(result, spec.signal)}

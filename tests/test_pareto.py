@@ -175,3 +175,23 @@ def test_budget_draws_never_meet_an_evaluated_draw(count):
                  | set(range(pw.SCREEN_SEEDS[-1] + 1, pw.CONFIRM_FIRST)))
     assert not tuned & evaluated
     assert len(pw.confirm_seeds(count)) == count and pw.CONFIRM_SEEDS == pw.confirm_seeds(60)
+
+
+def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
+    # bench/pareto.py keeps its calibration's finished runs beside the page until the page is
+    # written, so a page killed after hours of calibration resumes (commands/calibration_runs.py)
+    from bench import pareto
+    from commands import calibrate
+    from sampling import budget
+    from tests.test_calibrate import SMALL_SPACE
+
+    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE[:2])
+    wl = workload("wan", steps=3)
+    runs = pareto.runs_path(str(tmp_path), "wan")
+    first = pareto.budget_profile(wl, str(tmp_path / "profile.json"), runs=runs)
+    with open(runs) as f:
+        assert len(f.read().splitlines()) == 1 + 2 * len(pw.BUDGET_SEEDS)
+    def sampled_again(*_, **__):
+        pytest.fail("a run the runs file holds was sampled again")
+    monkeypatch.setattr(calibrate, "_runner", lambda *_, **__: sampled_again)
+    assert pareto.budget_profile(wl, str(tmp_path / "again.json"), runs=runs) == first

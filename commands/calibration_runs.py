@@ -1,0 +1,102 @@
+"""Finished calibration runs kept on disk, so a killed budget calibration resumes.
+
+Budgeted mode's calibration runs every configuration on a few draws, screens and confirms the
+chosen ones on up to a hundred more: thousands of runs, hours on trained weights (the trained
+HunyuanVideo-1.5 twin's was still confirming after 2 h on a CPU core). Every run is a pure
+function of the weights, the sampler, the configuration and the draw, so each finished one is
+appended to a JSON-lines file as it lands (one line, flushed and fsync'ed: a kill loses at most
+the run under way), and a rerun with the same file answers those from it instead of sampling.
+
+The file's first line names what its runs hold for (the weights' fingerprint, the sampler's
+steps, solver and shift, the backend); a rerun with anything else is refused with what differs,
+never mixed in. A line cut short by a kill (the last one) is dropped and run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from sampling.errors import StageFileError
+
+VERSION = 1
+
+
+class RunsFileError(StageFileError):
+    """The runs file cannot be read, or holds runs of other weights or settings."""
+
+
+def key(fields: dict, seed: int) -> str:
+    """One run's key: the configuration's fields (canonical JSON) and the draw."""
+    return json.dumps([fields, seed], sort_keys=True)
+
+
+class RunMemo:
+    """get(fields, seed) -> (rel L2, computed fraction) or None; add(...) appends one run."""
+
+    def __init__(self, path: str, identity: dict):
+        self.path, self.identity, self.runs = path, {"version": VERSION, **identity}, {}
+        self.reused = 0
+        header = json.dumps(self.identity, sort_keys=True)
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            self._read(header)
+        else:
+            with open(path, "w") as f:
+                f.write(header + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def _read(self, header: str) -> None:
+        try:
+            with open(self.path) as f:
+                lines = f.read().split("\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RunsFileError(f"runs file {self.path}: cannot read it ({exc}); expected the "
+                                "JSON-lines file of an earlier calibration, or a new path") from None
+        try:
+            theirs = json.loads(lines[0])
+        except ValueError:
+            theirs = None
+        mine = json.loads(header)
+        if theirs != mine:
+            differ = (sorted(k for k in {**theirs, **mine} if theirs.get(k) != mine.get(k))
+                      if isinstance(theirs, dict) else "its first line is not a header")
+            raise RunsFileError(f"runs file {self.path}: holds runs of other weights or settings "
+                                f"(differs in: {differ}); expected runs of this calibration; "
+                                "give another path or remove it")
+        for i, line in enumerate(lines[1:], 1):
+            if not line:
+                continue
+            try:
+                run = json.loads(line)
+                self.runs[run["key"]] = (float(run["rel_l2"]), float(run["computed"]))
+            except (ValueError, KeyError, TypeError):
+                if any(lines[i + 1:]):
+                    raise RunsFileError(f"runs file {self.path}: line {i + 1} is not a run "
+                                        "({key, rel_l2, computed}); expected only a last line "
+                                        "torn by a kill") from None
+                self._cut_torn(lines[:i])  # the torn last line: run it again
+                break
+
+    def _cut_torn(self, kept: list[str]) -> None:
+        with open(self.path, "w") as f:
+            f.write("\n".join(kept) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def get(self, fields: dict, seed: int):
+        found = self.runs.get(key(fields, seed))
+        if found is not None:
+            self.reused += 1
+        return found
+
+    def add(self, fields: dict, seed: int, rel_l2: float, computed: float) -> None:
+        k = key(fields, seed)
+        self.runs[k] = (rel_l2, computed)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"key": k, "rel_l2": rel_l2, "computed": computed}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def __len__(self) -> int:
+        return len(self.runs)

@@ -1,0 +1,104 @@
+"""A killed budget calibration resumes from its runs file (commands/calibration_runs.py)."""
+
+import json
+
+import pytest
+
+from commands import calibrate
+from commands.calibration_runs import RunMemo, RunsFileError
+from tests.test_calibrate import SMALL_SPACE
+
+IDENTITY = {"weights": "abc", "steps": 12}
+FIELDS = {"fbcache": {"threshold": 0.2}}
+
+
+def test_runs_come_back_from_the_file_and_a_torn_last_line_runs_again(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    memo = RunMemo(str(path), IDENTITY)
+    assert memo.get(FIELDS, 3) is None
+    memo.add(FIELDS, 3, 0.25, 0.5)
+    memo.add(FIELDS, 4, float("nan"), 0.75)  # a diverged run is a run too
+    again = RunMemo(str(path), IDENTITY)
+    assert again.get(FIELDS, 3) == (0.25, 0.5) and again.get({"fbcache": {"threshold": 0.3}}, 3) is None
+    error, computed = again.get(FIELDS, 4)
+    assert error != error and computed == 0.75
+    assert again.reused == 2
+    with open(path, "a") as f:  # a kill in the middle of a line
+        f.write('{"key": "[{\\"fbc')
+    torn = RunMemo(str(path), IDENTITY)
+    assert len(torn) == 2 and path.read_text().endswith("0.75}\n")
+    torn.add(FIELDS, 5, 0.1, 0.4)  # goes on after the cut, on its own line
+    assert RunMemo(str(path), IDENTITY).get(FIELDS, 5) == (0.1, 0.4)
+
+
+def test_runs_of_other_weights_or_settings_are_refused_not_mixed_in(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    RunMemo(str(path), IDENTITY).add(FIELDS, 3, 0.25, 0.5)
+    before = path.read_text()
+    with pytest.raises(RunsFileError, match=r"differs in: \['steps'\]"):
+        RunMemo(str(path), {**IDENTITY, "steps": 20})
+    lines = before.split("\n")
+    path.write_text("\n".join([lines[0], "not a run", lines[1], ""]))
+    with pytest.raises(RunsFileError, match="line 2 is not a run"):
+        RunMemo(str(path), IDENTITY)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(RunsFileError, match="not a header"):
+        RunMemo(str(path), IDENTITY)
+    assert path.read_text() == "[1, 2]\n"  # refused files are left as they were
+
+
+def _calibrate(tmp_path, runs, steps="12"):
+    return calibrate.main(["--model", "wan-tiny-ti2v", "--samples", "2", "--first_seed", "1",
+                           "--num_inference_steps", steps, "--budget", "--screen_draws", "2",
+                           "--confirm_draws", "2", "--out", str(tmp_path / "profile.json"),
+                           "--runs", str(runs)])
+
+
+def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkeypatch):
+    from sampling import budget
+    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    runs = tmp_path / "runs.jsonl"
+    assert _calibrate(tmp_path, runs) == 0
+    whole = json.loads((tmp_path / "profile.json").read_text())["budget"]
+    lines = runs.read_text().splitlines()
+    measured = sum(len(c["rel_l2"]) + len(c.get("screen", {}).get("rel_l2", ()))
+                   + len(c.get("confirm", {}).get("rel_l2", ())) for c in whole["candidates"])
+    assert len(lines) == 1 + measured  # the header, and every configuration run once
+    # killed after 4 runs: the rerun samples the rest, and only those
+    runs.write_text("\n".join(lines[:5]) + "\n")
+    (tmp_path / "profile.json").unlink()
+    sampled = []
+    runner = calibrate._runner
+
+    def counting(*args, **kwargs):
+        once = runner(*args, **kwargs)
+
+        def counted(config, seed, tensors):
+            if config != calibrate.CMConfig():  # the uncached references are not runs
+                sampled.append(seed)
+            return once(config, seed, tensors)
+        return counted
+
+    monkeypatch.setattr(calibrate, "_runner", counting)
+    assert _calibrate(tmp_path, runs) == 0
+    assert len(sampled) == measured - 4
+    resumed = json.loads((tmp_path / "profile.json").read_text())["budget"]
+    assert resumed == whole
+    # finished: a third run samples nothing
+    sampled.clear()
+    assert _calibrate(tmp_path, runs) == 0 and sampled == []
+
+
+def test_runs_need_the_budget_and_a_file_of_the_same_settings(tmp_path, monkeypatch, capsys):
+    from sampling import budget
+    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    assert calibrate.main(["--model", "wan-tiny-ti2v", "--out", str(tmp_path / "p.json"),
+                           "--runs", str(tmp_path / "r.jsonl")]) == 2
+    assert "--runs" in capsys.readouterr().err and not (tmp_path / "r.jsonl").exists()
+    runs = tmp_path / "runs.jsonl"
+    RunMemo(str(runs), {"weights": "other"})
+    before = runs.read_text()
+    assert _calibrate(tmp_path, runs) == 2
+    err = capsys.readouterr().err
+    assert "holds runs of other weights or settings" in err and "steps" in err
+    assert runs.read_text() == before and not (tmp_path / "profile.json").exists()
