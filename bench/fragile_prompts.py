@@ -27,7 +27,6 @@ sampling/budget.py's space). Writes bench/results/fragile_prompts_<family>.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import shlex
@@ -54,6 +53,7 @@ from bench.pareto_workload import (  # noqa: E402
 )
 from cache import CMConfig  # noqa: E402
 from cache.flags import config_from_fields  # noqa: E402
+from commands.calibrate import bf16_rounded  # noqa: E402
 from sampling import budget  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
@@ -62,24 +62,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 PROFILES = {"hunyuan": os.path.join(RESULTS, "pareto", "trained_hunyuan", "budget_profile_hunyuan.json"),
             "wan": os.path.join(RESULTS, "pareto", "trained", "budget_profile_wan.json")}
 # a draw's error this many times the configuration's median over the draws: the draw flipped
-# (the trained twin's misses were 6-40x; a draw that merely varies stays under 3x)
-FLIP = 5.0
-
-
-@contextlib.contextmanager
-def bf16_weights(model: torch.nn.Module):
-    """The model with every weight rounded to bf16 (and back to its dtype), restored after: the
-    perturbation any bf16 deployment makes, with no caching at all."""
-    saved = [p.detach().clone() for p in model.parameters()]
-    try:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.to(torch.bfloat16).to(p.dtype))
-        yield model
-    finally:
-        with torch.no_grad():
-            for p, keep in zip(model.parameters(), saved, strict=True):
-                p.copy_(keep)
+# (the trained twin's misses were 6-40x; a draw that merely varies stays under 3x); the same
+# factor budgeted mode's screening tells a chaotic draw by
+FLIP = budget.CHAOS
 
 
 def flipped_draws(draws: list[int], errors: list[float]) -> list[int]:
@@ -186,7 +171,7 @@ def main(argv=None) -> int:
     for seed in draws:
         draw = wl.reseeded(seed)
         base = run_ours(draw, CMConfig(), counter)
-        with bf16_weights(draw.model):
+        with bf16_rounded([draw.model]):
             bf16.append(fidelity(run_ours(draw, CMConfig(), counter).latents,
                                  base.latents)["rel_l2"])
         for label in labels:

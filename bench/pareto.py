@@ -171,7 +171,7 @@ def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) ->
         block = calibrate.screen_space(
             backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
             wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm},
-            memo=memo)
+            memo=memo, models=[wl.model], calibration_tensors=draws)
     if memo is not None and memo.reused:
         print(f"calibration: {memo.reused} runs taken from {os.path.relpath(runs)} (resumed)",
               flush=True)
@@ -426,8 +426,8 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
         (f"speedup {s:g}", budgeted(("speedup", s)))
         for s in pick([x for kind, x in targets(trained) if kind == "speedup"])],
         "--budget_speedup: the configuration of the same space with the least typical error "
-        "(geometric mean over its calibration and screen draws) among those whose computed "
-        "fraction is bounded by 1/s"))
+        "(geometric mean over every draw it ran: calibration, screen and confirm) among those "
+        "whose computed fraction is bounded by 1/s"))
     return out
 
 
@@ -523,6 +523,8 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
              "budget_unseen": unseen,
              "budget_screen": cache["budget"].get("screen_seeds", []) if "budget" in cache else [],
              "budget_confirm": cache["budget"].get("confirm_seeds", []) if "budget" in cache else [],
+             "budget_chaotic": (cache["budget"].get("chaotic", {}).get("seeds", [])
+                                if "budget" in cache else []),
              "about": {m.name: m.about for m in menu}}
     return rows, traces, facts
 
@@ -641,7 +643,8 @@ def main(argv=None) -> int:
             print("\n".join(standing(rows, fam.key, metric)[0]))
         print("\n".join(budget_standing(rows, fam.key, facts[fam.key]["budget_unseen"],
                                          facts[fam.key]["budget_screen"],
-                                         facts[fam.key]["budget_confirm"])[0]))
+                                         facts[fam.key]["budget_confirm"],
+                                         facts[fam.key]["budget_chaotic"])[0]))
         if fam.trained and args.follow:
             print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"

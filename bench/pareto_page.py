@@ -230,7 +230,8 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
     standings = {f.key: {m: standing(rows, f.key, m) for m in METRICS} for f in fams}
     budgets = {f.key: budget_standing(rows, f.key, facts[f.key]["budget_unseen"],
                                       facts[f.key].get("budget_screen", ()),
-                                      facts[f.key].get("budget_confirm", ())) for f in fams}
+                                      facts[f.key].get("budget_confirm", ()),
+                                      facts[f.key].get("budget_chaotic", ())) for f in fams}
     regime = "trained weights" if args.weights == "trained" else "random weights"
     lines = ["# Fidelity against speed: our caching beside diffusers' cache hooks and cache-dit", "",
              f"Reproduce: `{args.command}` ({'quick mode, ' if args.quick else ''}"

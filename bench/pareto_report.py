@@ -394,7 +394,7 @@ def kept(kind: str, target: float, rel_l2: float, computed: float) -> bool:
     return rel_l2 <= target if kind == "rel_err" else computed <= 1.0 / target + 1e-9
 
 
-def budget_standing(rows, family, unseen, screen=(), confirm=()) -> tuple[list[str], str]:
+def budget_standing(rows, family, unseen, screen=(), confirm=(), chaotic=()) -> tuple[list[str], str]:
     """Budgeted mode: each target (an error budget or a speedup) on the draws it was not
     calibrated or screened on (the row's own draws and UNSEEN_SEEDS but SEED), and each of its points
     against our front (the other curves) and the best peer, both forms of the goal. A point
@@ -413,6 +413,8 @@ def budget_standing(rows, family, unseen, screen=(), confirm=()) -> tuple[list[s
                 f" ({len(screen)} draws; sampling/budget.py)" if screen else "")
              + (f", each one an error budget chooses confirmed on draws {confirm[0]}-{confirm[-1]}"
                 f" ({len(confirm)} draws)" if confirm else "")
+             + (f" (set aside as chaotic, their uncached run flipping with bf16-rounded weights: "
+                f"draws {', '.join(map(str, chaotic))})" if chaotic else "")
              + "; each target's point is "
              "its run on the draws every curve here is measured on, and it is also run on draws "
              f"{', '.join(map(str, unseen_seeds))}. PSNR pooled over draws:", "",

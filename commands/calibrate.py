@@ -23,6 +23,7 @@ one that flips a rare fragile prompt is not chosen (sampling/budget.py screen).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -96,11 +97,14 @@ def _runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
     backends = {}
     blocks = pipe.config.num_layers
 
-    def once(config, seed, tensors):
+    def once(config, seed, tensors, fresh=False):
         plan = SignalPlan.from_config(config)
-        if plan not in backends:  # one backend (one set of programs) per probe/tail/signal plan
-            backends[plan] = make_backend(plan)
-        backend = backends[plan]
+        if fresh:  # weights changed since the plan's backend was made (a JAX one holds a copy)
+            backend = make_backend(plan)
+        else:  # one backend (one set of programs) per probe/tail/signal plan
+            if plan not in backends:
+                backends[plan] = make_backend(plan)
+            backend = backends[plan]
         sample = make_sample(backend, pipe, tensors, latent_shape, image=pipe.task == "i2v",
                              seed=seed)
         traj = sample_once(backend, config, sample, solver=solver, steps=steps, shift=shift)
@@ -112,27 +116,64 @@ def _runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
     return once
 
 
-def _scorer(once, tensors_by_seed, memo=None):
+FLOOR = {"uncached": "weights rounded to bf16"}  # the floor's key among the runs kept
+
+
+@contextlib.contextmanager
+def bf16_rounded(models):
+    """The models (torch modules) with every weight rounded to bf16 and back, restored after:
+    the perturbation any bf16 deployment makes, with no caching at all."""
+    params = [p for m in models for p in m.parameters()]
+    saved = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                p.copy_(p.to(torch.bfloat16).to(p.dtype))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, keep in zip(params, saved, strict=True):
+                p.copy_(keep)
+
+
+def _scorer(once, tensors_by_seed, memo=None, models=None):
     """score(fields, seed) -> (final-latent rel L2 against the uncached run of the same draw,
     computed fraction); each draw's uncached run once, when first needed; with a RunMemo
-    (commands/calibration_runs.py), a run it holds is not run again and every new one goes in."""
+    (commands/calibration_runs.py), a run it holds is not run again and every new one goes in.
+    With `models` (the torch modules the backends run), score.floor(seed) is the rel L2 of the
+    draw's uncached run with those weights rounded to bf16 (sampling/budget.py screen)."""
     from cache.flags import config_from_fields
     from sampling.fidelity import fidelity
 
     refs = {}
 
-    def score(fields, seed):
+    def ref(seed):
+        if seed not in refs:
+            refs[seed] = once(CMConfig(), seed, tensors_by_seed[seed])[0]
+        return refs[seed]
+
+    def kept(fields, seed, measure):
         if memo is not None and (found := memo.get(fields, seed)) is not None:
             return found
-        tensors = tensors_by_seed[seed]
-        if seed not in refs:
-            refs[seed] = once(CMConfig(), seed, tensors)[0]
-        latents, fraction = once(config_from_fields(fields), seed, tensors)
-        out = float(fidelity(latents, refs[seed])["rel_l2"]), float(fraction)
+        out = measure()
         if memo is not None:
             memo.add(fields, seed, *out)
         return out
 
+    def score(fields, seed):
+        def measure():
+            latents, fraction = once(config_from_fields(fields), seed, tensors_by_seed[seed])
+            return float(fidelity(latents, ref(seed))["rel_l2"]), float(fraction)
+        return kept(fields, seed, measure)
+
+    def floor(seed):
+        def measure():
+            with bf16_rounded(models):
+                latents = once(CMConfig(), seed, tensors_by_seed[seed], fresh=True)[0]
+            return float(fidelity(latents, ref(seed))["rel_l2"]), 1.0
+        return kept(FLOOR, seed, measure)[0]
+
+    score.floor = None if models is None else floor
     return score
 
 
@@ -163,15 +204,21 @@ def measure_space(make_backend, pipe, tensors_by_seed, latent_shape, *, steps, s
 
 
 def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, confirm_tensors=None,
-                 log=None, memo=None) -> dict:
+                 log=None, memo=None, models=None, calibration_tensors=None) -> dict:
     """Budgeted mode's screening (sampling/budget.py screen): every candidate that some target
     chooses run on the screen draws too, against their uncached runs, until the choices are all
     screened; with confirm_tensors, every one an error budget chooses then confirmed on those;
-    with `memo` (a RunMemo) the runs it holds are not run again."""
+    with `memo` (a RunMemo) the runs it holds are not run again. With `models` (the torch
+    modules make_backend's backends run) and the calibration draws' tensors, a draw a promise
+    breaks on is set aside where it is chaotic (its bf16 floor; sampling/budget.py)."""
     confirm_tensors = confirm_tensors or {}
+    if models is not None and set(calibration_tensors or ()) != set(block["seeds"]):
+        raise ValueError("screen_space: the chaos check needs the calibration draws' tensors "
+                         f"(seeds {block['seeds']})")
     score = _scorer(_runner(make_backend, pipe, latent_shape, steps=block["steps"],
                             solver=block["solver"], shift=block["shift"]),
-                    {**screen_tensors, **confirm_tensors}, memo)
+                    {**(calibration_tensors or {}), **screen_tensors, **confirm_tensors}, memo,
+                    models)
 
     def run(candidate, seed):
         shown.set_postfix_str(f"{candidate['label']}, seed {seed}", refresh=False)
@@ -187,7 +234,7 @@ def screen_space(make_backend, pipe, block, screen_tensors, latent_shape, *, con
 
     with progress.bar(None, "screening (configuration x draw)", unit="run") as shown:
         return budget.screen(block, list(screen_tensors), run, done,
-                             confirm_seeds=list(confirm_tensors))
+                             confirm_seeds=list(confirm_tensors), floor=score.floor)
 
 
 def budget_block(candidates, *, pipe_name, seeds, steps, solver, shift) -> dict:
@@ -386,7 +433,9 @@ def calibrate(spec: Calibration) -> dict:
             profile["budget"] = screen_space(lambda plan: _backend(spec.backend, models, plan),
                                              pipe, profile["budget"], screen, shape,
                                              confirm_tensors=confirm,
-                                             log=lambda line: print(line, flush=True), memo=memo)
+                                             log=lambda line: print(line, flush=True), memo=memo,
+                                             models=list(models.values()),
+                                             calibration_tensors=tensors)
     _write(spec.out, profile)  # once, at the end: an interrupted run leaves the old profile
     return {"calls": len(pairs), "result": result, "out": spec.out,
             "budget": profile.get("budget"), "warnings": fit_warnings(result, spec.signal)}
@@ -426,6 +475,10 @@ def format_summary(report: dict) -> str:
                         if b.get("screen_seeds") else "")
                      + (f"; {confirmed} confirmed on {len(b['confirm_seeds'])} more"
                         if b.get("confirm_seeds") else "")
+                     + (f"; {len(b['chaotic']['seeds'])} chaotic draws set aside (seeds "
+                        f"{', '.join(map(str, b['chaotic']['seeds']))}: uncached with bf16 "
+                        f"weights they err over {budget.CHAOS:g}x the calibration draws' "
+                        f"{b['floor_baseline']:.1e})" if b.get("chaotic") else "")
                      + "; bound for an unseen draw (95%):")
         for c, bound in zip(b["candidates"], budget.bounds(b["candidates"]), strict=True):
             computed = budget.computed_of(c)

@@ -102,3 +102,40 @@ def test_runs_need_the_budget_and_a_file_of_the_same_settings(tmp_path, monkeypa
     err = capsys.readouterr().err
     assert "holds runs of other weights or settings" in err and "steps" in err
     assert runs.read_text() == before and not (tmp_path / "profile.json").exists()
+
+
+def test_the_floor_is_the_uncached_run_on_bf16_weights_and_the_weights_come_back(tmp_path):
+    # a chaotic draw is told by its floor (sampling/budget.py screen): measured here against a
+    # copy of the model whose weights were rounded by hand, and kept in the runs file
+    import copy
+
+    import torch
+
+    from sampling.fidelity import fidelity
+    from sampling.pipelines import get_pipeline
+    from torch_backend.backend import TorchBackend
+
+    pipe = get_pipeline("wan-tiny-ti2v")
+    shape = pipe.latent_shape(*pipe.size)
+    models = calibrate.load_models(pipe, None, torch.float32)
+    before = {n: p.clone() for n, p in models[None].named_parameters()}
+    rounded = copy.deepcopy(models[None])
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    tensors = {1: pipe.synthesize(shape, True, False, 1)}
+    memo = RunMemo(str(tmp_path / "runs.jsonl"), IDENTITY)
+
+    def runner(which):
+        return calibrate._runner(lambda plan: TorchBackend(which, plan), pipe, shape, steps=6,
+                                 solver=pipe.solver, shift=pipe.shift)
+
+    score = calibrate._scorer(runner(models), tensors, memo, list(models.values()))
+    floor = score.floor(1)
+    uncached = calibrate.CMConfig()
+    by_hand = fidelity(runner({None: rounded})(uncached, 1, tensors[1])[0],
+                       runner(models)(uncached, 1, tensors[1])[0])["rel_l2"]
+    assert 0.0 < floor == pytest.approx(by_hand, rel=1e-6)
+    assert all(torch.equal(p, before[n]) for n, p in models[None].named_parameters())
+    assert RunMemo(str(tmp_path / "runs.jsonl"), IDENTITY).get(calibrate.FLOOR, 1) == (floor, 1.0)
+    assert calibrate._scorer(runner(models), tensors).floor is None  # no models: no chaos check

@@ -45,12 +45,13 @@ def test_more_draws_must_be_a_count_of_unseen_draws(capsys, more):
         in capsys.readouterr().err
 
 
-def test_bf16_weights_round_every_weight_and_restore_them_and_chaotic_draws_stand_out():
+def test_bf16_rounding_rounds_every_weight_and_restores_them_and_chaotic_draws_stand_out():
+    from commands.calibrate import bf16_rounded
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0 + 2**-12, 2.0, 3.0], [0.1, 0.2, 0.3]]))
     before = [p.detach().clone() for p in model.parameters()]
-    with fp.bf16_weights(model):
+    with bf16_rounded([model]):
         assert model.weight[0, 0].item() == 1.0  # 1 + 2^-12 is not a bf16 number
         assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in model.parameters())
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
