@@ -460,8 +460,9 @@ def budget_standing(rows, family, unseen, screen=(), confirm=(), chaotic=()) -> 
             f"({_fmt(ratio, '.2f', '-')}x) | {'met' if both else 'not met'} |")
     summary = (f"budgeted mode kept {kept_all} of {draws} target x draw runs; of its "
                f"{len(runs)} targets, {len(runs) - len(uncached)} chose caching "
-               f"({len(uncached)} ran uncached: no calibrated configuration promises "
-               f"{', '.join(uncached) or 'none'}), within {FRONT_DB:g} dB of our front at "
+               + (f"({len(uncached)} ran uncached: no calibrated configuration promises "
+                  f"{', '.join(uncached)})" if uncached else "(none ran uncached)")
+               + f", within {FRONT_DB:g} dB of our front at "
                f"{near_all}, both forms against the best peer at {both_all}")
     lines += ["", f"Summary: {summary}. A point counts as met only where the chosen run computed "
               "less than every block and a peer point exists on each side."]
