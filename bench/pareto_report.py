@@ -414,7 +414,8 @@ def budget_standing(rows, family, unseen, screen=(), confirm=(), chaotic=()) -> 
              + (f", each one an error budget chooses confirmed on draws {confirm[0]}-{confirm[-1]}"
                 f" ({len(confirm)} draws)" if confirm else "")
              + (f" (set aside as chaotic, their uncached run flipping with bf16-rounded weights: "
-                f"draws {', '.join(map(str, chaotic))})" if chaotic else "")
+                f"draw{'s' if len(chaotic) > 1 else ''} {', '.join(map(str, chaotic))})"
+                if chaotic else "")
              + "; each target's point is "
              "its run on the draws every curve here is measured on, and it is also run on draws "
              f"{', '.join(map(str, unseen_seeds))}. PSNR pooled over draws:", "",
