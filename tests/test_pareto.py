@@ -150,7 +150,14 @@ def test_budget_standing_counts_only_caching_against_a_peer_point_that_exists():
     confirmed = "\n".join(report.budget_standing(rows, "wan", unseen, tuple(range(34, 64)),
                                                  tuple(range(84, 114)))[0])
     assert "(30 draws; sampling/budget.py), each one an error budget chooses confirmed on draws " \
-           "84-113 (30 draws)" in confirmed
+           "84-113 (30 draws)" in confirmed and "chaotic" not in confirmed
+    # the draws screening set aside as chaotic are named (sampling/budget.py screen)
+    aside = [r for r in rows if "uncached" not in r["setting"]]
+    for chaotic, named in (((63,), "draw 63)"), ((123, 142), "draws 123, 142)")):
+        lines, summary = report.budget_standing(aside, "wan", unseen, tuple(range(34, 64)),
+                                                tuple(range(84, 144)), chaotic)
+        assert f"bf16-rounded weights: {named}" in "\n".join(lines)
+        assert "(none ran uncached)" in summary
 
 
 def test_mean_over_draws_is_each_draws_own_psnr_averaged():
