@@ -60,7 +60,7 @@ from bench.pareto_peers import (  # noqa: E402
 )
 from bench.pareto_report import (  # noqa: E402
     METRICS,
-    budget_standing,
+    budget_standing_of,
     follow_standing,
     kept,
     plot,
@@ -149,17 +149,16 @@ def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) ->
     `path`; returns the budget block. With `runs` (a path), every finished run is kept there and
     the runs it already holds are not run again."""
     from commands import calibrate
-    from commands.calibration_runs import RunMemo
+    from commands.calibration_runs import RunMemo, identity
     from modules.checkpoint import model_fingerprint
     from sampling import budget
 
     def backend(plan):
         return TorchBackend({None: wl.model}, plan)
 
-    memo = None if runs is None else RunMemo(runs, {
-        "weights": model_fingerprint(wl.model), "model": wl.pipe.name, "steps": wl.steps,
-        "solver": wl.pipe.solver, "shift": wl.pipe.shift, "shape": list(wl.shape),
-        "guidance": wl.guidance, "threads": torch.get_num_threads()})
+    memo = None if runs is None else RunMemo(runs, identity(
+        model_fingerprint(wl.model), model=wl.pipe.name, steps=wl.steps, solver=wl.pipe.solver,
+        shift=wl.pipe.shift, shape=wl.shape, guidance=wl.guidance))
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     candidates = calibrate.measure_space(
         backend, wl.pipe, draws, wl.shape,
@@ -516,15 +515,15 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
               f"{u['computed']:.3f}, rel L2 {u['rel_l2']:.2e} "
               f"({'kept' if kept(u['kind'], u['target'], u['rel_l2'], u['computed']) else 'MISSED'})",
               flush=True)
+    calibrated = cache.get("budget", {})
     facts = {"shape": list(wl.shape), "tokens": wl.pipe.tokens(wl.shape), "steps": wl.steps,
              "solver": wl.pipe.solver, "shift": wl.pipe.shift, "guidance": wl.guidance,
              "blocks": family.config.num_layers, "agreement": agreement, "spread": spread,
              "uncached_cpu": (ours_base.cpu, their_base.cpu),
              "budget_unseen": unseen,
-             "budget_screen": cache["budget"].get("screen_seeds", []) if "budget" in cache else [],
-             "budget_confirm": cache["budget"].get("confirm_seeds", []) if "budget" in cache else [],
-             "budget_chaotic": (cache["budget"].get("chaotic", {}).get("seeds", [])
-                                if "budget" in cache else []),
+             "budget_screen": calibrated.get("screen_seeds", []),
+             "budget_confirm": calibrated.get("confirm_seeds", []),
+             "budget_chaotic": calibrated.get("chaotic", {}).get("seeds", []),
              "about": {m.name: m.about for m in menu}}
     return rows, traces, facts
 
@@ -641,10 +640,7 @@ def main(argv=None) -> int:
         print(f"\n{fam.title}: where we stand")
         for metric in METRICS:
             print("\n".join(standing(rows, fam.key, metric)[0]))
-        print("\n".join(budget_standing(rows, fam.key, facts[fam.key]["budget_unseen"],
-                                         facts[fam.key]["budget_screen"],
-                                         facts[fam.key]["budget_confirm"],
-                                         facts[fam.key]["budget_chaotic"])[0]))
+        print("\n".join(budget_standing_of(rows, fam.key, facts[fam.key])[0]))
         if fam.trained and args.follow:
             print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"

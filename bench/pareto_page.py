@@ -14,7 +14,7 @@ from bench.pareto_report import (
     BEHIND_RATIO,
     BUDGETED,
     METRICS,
-    budget_standing,
+    budget_standing_of,
     cheapest_for,
     follow_standing,
     front,
@@ -228,10 +228,7 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
     names = {f.key: f.title for f in fams}
     not_run = [r for r in rows if r["status"] != "ok" and r["family"] in names]
     standings = {f.key: {m: standing(rows, f.key, m) for m in METRICS} for f in fams}
-    budgets = {f.key: budget_standing(rows, f.key, facts[f.key]["budget_unseen"],
-                                      facts[f.key].get("budget_screen", ()),
-                                      facts[f.key].get("budget_confirm", ()),
-                                      facts[f.key].get("budget_chaotic", ())) for f in fams}
+    budgets = {f.key: budget_standing_of(rows, f.key, facts[f.key]) for f in fams}
     regime = "trained weights" if args.weights == "trained" else "random weights"
     lines = ["# Fidelity against speed: our caching beside diffusers' cache hooks and cache-dit", "",
              f"Reproduce: `{args.command}` ({'quick mode, ' if args.quick else ''}"

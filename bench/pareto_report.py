@@ -394,6 +394,12 @@ def kept(kind: str, target: float, rel_l2: float, computed: float) -> bool:
     return rel_l2 <= target if kind == "rel_err" else computed <= 1.0 / target + 1e-9
 
 
+def budget_standing_of(rows, family, facts) -> tuple[list[str], str]:
+    """budget_standing from a family's facts (bench/pareto.py run_family)."""
+    return budget_standing(rows, family, facts["budget_unseen"], facts.get("budget_screen", ()),
+                           facts.get("budget_confirm", ()), facts.get("budget_chaotic", ()))
+
+
 def budget_standing(rows, family, unseen, screen=(), confirm=(), chaotic=()) -> tuple[list[str], str]:
     """Budgeted mode: each target (an error budget or a speedup) on the draws it was not
     calibrated or screened on (the row's own draws and UNSEEN_SEEDS but SEED), and each of its points

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from sampling.errors import StageFileError
 
 VERSION = 1
@@ -24,6 +26,15 @@ VERSION = 1
 
 class RunsFileError(StageFileError):
     """The runs file cannot be read, or holds runs of other weights or settings."""
+
+
+def identity(weights, *, model: str, steps: int, solver: str, shift: float, shape,
+             **more) -> dict:
+    """What a calibration's runs hold for: the weights' fingerprint, the sampler, the latent
+    shape, `more` (the backend, the CFG scale) and torch's thread count (a CPU run's last bits
+    move with it)."""
+    return {"weights": weights, "model": model, "steps": steps, "solver": solver, "shift": shift,
+            "shape": list(shape), **more, "threads": torch.get_num_threads()}
 
 
 def key(fields: dict, seed: int) -> str:

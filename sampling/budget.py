@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass
 
 from cache import CMConfig
@@ -535,7 +536,7 @@ def screen(budget: dict, seeds, run, done=None, confirm_seeds=(), floor=None) ->
         if not floors:  # the baseline: what bf16 rounding does to an ordinary draw
             for s in budget["seeds"]:
                 floors[s] = floor(s)
-            block["floor_baseline"] = median([floors[s] for s in budget["seeds"]])
+            block["floor_baseline"] = statistics.median(floors[s] for s in budget["seeds"])
         if seed not in floors:
             floors[seed] = floor(seed)
         return floors[seed] > CHAOS * block["floor_baseline"]
@@ -583,12 +584,6 @@ def screen(budget: dict, seeds, run, done=None, confirm_seeds=(), floor=None) ->
             if done is not None:
                 done(candidates[i])
     return block
-
-
-def median(values) -> float:
-    ranked = sorted(values)
-    mid = len(ranked) // 2
-    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
 
 
 def computed_bound(computed) -> float:
