@@ -24,9 +24,9 @@ scheduler, so wall times compare like with like. Per run:
              rel/disp divides the error by how far the uncached run moved from the noise; on
              trained weights (several held-out prompts a setting) PSNR both pooled over the
              draws and as the mean of each draw's own
-  trace      computed blocks per model call, plus each method's own decisions (traces_*.json)
+  trace      computed blocks per model call, plus each method's own decisions (traces_*.json.gz)
 
-Writes results.csv, table.md, pareto.png, traces_<family>.json (.json.gz on trained weights)
+Writes results.csv, table.md, pareto.png, traces_<family>.json.gz
 and README.md (machine, command, table, plot, and the standing against each peer at matched
 computed fraction) under --out. A peer that cannot be installed or cannot drive a model is
 reported as such; nothing is estimated in its place.
@@ -437,10 +437,11 @@ def _unavailable(message):
 
 
 def _write_json(path, data):
-    """JSON, written whole or not at all; gzip-compressed where the name ends in .gz (the
-    trained regime's traces: a dozen prompts of per-call decisions for every setting)."""
+    """JSON, written whole or not at all, without indentation (the pages' budget profiles are
+    read by programs, and indentation made a third of their bytes: the tracked tree has to
+    travel to a device call); gzip-compressed where the name ends in .gz (the traces)."""
     if not path.endswith(".gz"):
-        atomic_write(path, lambda f: json.dump(data, f, indent=1))
+        atomic_write(path, lambda f: json.dump(data, f, separators=(",", ":")))
         return
 
     def packed(f):
@@ -622,8 +623,7 @@ def main(argv=None) -> int:
     rows, facts = [], {}
     for fam, (fam_rows, traces, facts[fam.key]) in zip(fams, run_families(fams, args), strict=True):
         rows += fam_rows
-        _write_json(os.path.join(args.out, f"traces_{fam.key}.json"
-                                 + (".gz" if fam.trained else "")), traces)
+        _write_json(os.path.join(args.out, f"traces_{fam.key}.json.gz"), traces)
     write_csv(rows, os.path.join(args.out, "results.csv"))
     atomic_write(os.path.join(args.out, "table.md"), lambda f: f.write("".join(
         f"## {fam.title}\n\n" + "\n".join(table(rows, fam.key)) + "\n\n" for fam in fams)))
@@ -644,7 +644,7 @@ def main(argv=None) -> int:
         if fam.trained and args.follow:
             print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"
-          f"{', pareto.png' if have_plot else ''}, traces_*.json) in {elapsed / 60:.1f} min")
+          f"{', pareto.png' if have_plot else ''}, traces_*.json.gz) in {elapsed / 60:.1f} min")
     return 0
 
 

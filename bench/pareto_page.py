@@ -301,8 +301,8 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
         lines += [f"## Table: {fam.title}", ""] + table(rows, fam.key) + [""]
     lines += ["Settings: " + "; ".join(f"{k}: {v}" for k, v in facts[fams[0].key]["about"].items()
                                        if v) + ".", "",
-              "Files: results.csv (every row), table.md, pareto.png, traces_<family>.json "
-              "(.json.gz on trained weights; per run: the block-equivalents computed in each "
+              "Files: results.csv (every row), table.md, pareto.png, traces_<family>.json.gz "
+              "(per run: the block-equivalents computed in each "
               "model call as the hooks counted them, and the method's own decisions: our "
               "gate's trace, cache-dit's cached steps and residual diffs, MagCache's "
               "calibration ratios, the budget's chosen configuration and its bound), "
