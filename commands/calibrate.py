@@ -47,8 +47,8 @@ from sampling.schedulers import SchedulerError
 from sampling.stage_io import StageFileError, atomic_write, check_writable_file
 from sampling.stages import SignalPlan
 
-from . import calibration_runs
 from .calibration_runs import RunMemo
+from .calibration_runs import identity as runs_identity
 from .stage2_backend import load_models
 
 
@@ -398,7 +398,7 @@ def calibrate(spec: Calibration) -> dict:
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
     fingerprints = {expert: model_fingerprint(m) for expert, m in models.items()}
     # read (and refuse) the runs file before any sampling
-    memo = None if spec.runs is None else RunMemo(spec.runs, calibration_runs.identity(
+    memo = None if spec.runs is None else RunMemo(spec.runs, runs_identity(
         fingerprints, model=pipe.name, steps=steps, solver=pipe.solver, shift=pipe.shift,
         shape=shape, backend=spec.backend))
     pairs, ratios = collect(backend, pipe, tensors, shape, signal=spec.signal,
