@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                 errors.setdefault((label, first), []).append(
                     fidelity(run.latents, base.latents)["rel_l2"])
                 fractions.setdefault((label, first), []).append(run.fraction)
-        print(seed, held_out_clip(seed).prompt, " ".join(
+        print(seed, held_out_clip(seed, wl.family.prompts).prompt, " ".join(
             f"{errors[(x, f)][-1]:.1e}" for x in labels for f in firsts), flush=True)
 
     flipped = {key: flipped_draws(draws, e) for key, e in errors.items()}
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
             for f in firsts:
                 x = errors[(label, f)][i]
                 cells.append(f"**{x:.1e}**" if seed in flipped[(label, f)] else f"{x:.1e}")
-        lines.append(f"| {seed} | {held_out_clip(seed).prompt} | " + " | ".join(cells) + " |")
+        lines.append(f"| {seed} | {held_out_clip(seed, wl.family.prompts).prompt} | " + " | ".join(cells) + " |")
     lines.append("| computed | | 1.000 | " + " | ".join(
         f"{sum(fractions[(x, f)]) / len(draws):.3f}" for x in labels for f in firsts) + " |")
     kept = []

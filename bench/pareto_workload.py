@@ -71,6 +71,13 @@ class Family:
     per_call: str  # our module that runs once per model call (prepare), to split the count
     trained: bool = False  # the pipeline's committed checkpoint (issue 28), not random weights
     checkpoint: str | None = None  # trained weights from this path instead of the pipeline's
+    recipe: Any = None  # trained regime: bench.fixtures.recipes.Recipe (None: procedural)
+
+    @property
+    def prompts(self):
+        """The recipe the trained regime's held-out prompts and their scoring come from."""
+        from bench.fixtures.recipes import PROCEDURAL
+        return self.recipe or PROCEDURAL
 
 
 def families(blocks: int, hy_blocks: int) -> dict[str, Family]:
@@ -96,19 +103,21 @@ def families(blocks: int, hy_blocks: int) -> dict[str, Family]:
 TRAINED = {"wan": "wan-tiny-trained", "hunyuan": "hunyuanvideo-tiny-trained"}
 FOLLOW_SEEDS = tuple(range(10, 34))  # held-out prompts of the prompt-following runs (none of
 # them is the evaluated draw or a calibration draw: SEED, CALIBRATION_SEED, BUDGET_SEEDS)
-PROMPT_SEED = 1234  # the order of the held-out combinations (bench/fixtures/evaluate.py's)
 
 
 def trained_families(checkpoint: str | None = None) -> dict[str, Family]:
     """Each family whose trained pipeline exists: its own size, config and blocks. With
     `checkpoint` (a trained tiny model of one family in the official layout, such as the
     further held-out model or a held-back one), that family only, with those weights and the
-    config beside them; its pipeline's clip size, solver, shift and CFG stay."""
+    config beside them; its pipeline's clip size, solver, shift and CFG stay unless the model
+    was trained on another recipe (bench/fixtures/recipes.py: its training.json fixes them)."""
+    from bench.fixtures.recipes import of_checkpoint
     out = {}
-    held = None
+    held = recipe = None
     if checkpoint is not None:
         from modules.checkpoint import load_model
         held = load_model(checkpoint, meta=True)[0]
+        recipe = of_checkpoint(checkpoint)
     for key, fam in families(1, 1).items():
         name = TRAINED[key]
         if name not in PIPELINES:
@@ -118,10 +127,12 @@ def trained_families(checkpoint: str | None = None) -> dict[str, Family]:
         if held is not None:
             if type(held.config) is not type(pipe.config):
                 continue
+            size = (recipe.overrides or {}).get("size", pipe.size)
             out[key] = dataclasses.replace(
-                fam, title=f"{title}, trained ({checkpoint}, {held.config.num_layers} blocks)",
-                pipeline=name, config=held.config, size=pipe.size, trained=True,
-                checkpoint=str(checkpoint))
+                fam, title=f"{title}, trained ({checkpoint}, {held.config.num_layers} blocks, "
+                           f"{recipe.name} recipe)",
+                pipeline=name, config=held.config, size=size, trained=True,
+                checkpoint=str(checkpoint), recipe=recipe)
             continue
         out[key] = dataclasses.replace(
             fam, title=f"{title}, trained here ({pipe.builtin}, {pipe.config.num_layers} blocks)",
@@ -129,21 +140,21 @@ def trained_families(checkpoint: str | None = None) -> dict[str, Family]:
     return out
 
 
-def held_out_clip(seed: int):
-    """The held-out prompt (an attribute combination never trained on, bench/fixtures/videos.py
-    split) that draw `seed` of the trained regime asks for."""
-    from bench.fixtures import videos as V
-    from bench.fixtures.evaluate import held_out_clips
-    from bench.fixtures.train import SPLIT_SEED
-    clips, _ = held_out_clips(V.split(SPLIT_SEED)[1], seed + 1, PROMPT_SEED)
-    return clips[seed]
+def held_out_clip(seed: int, recipe=None):
+    """The held-out prompt (an attribute combination never trained on, the recipe's split) that
+    draw `seed` of the trained regime asks for; `recipe` (bench/fixtures/recipes.py) None: the
+    procedural one every model before issue 60 was trained on."""
+    from bench.fixtures.recipes import PROCEDURAL
+    return (recipe or PROCEDURAL).held_out(seed)
 
 
-def prompt_tensors(pipe, seed: int) -> dict:
-    """Stage-1 tensors of draw `seed`'s held-out prompt, through the pipeline's own encoder."""
+def prompt_tensors(pipe, seed: int, recipe=None, weights: str | None = None) -> dict:
+    """Stage-1 tensors of draw `seed`'s held-out prompt, through the pipeline's own encoder (the
+    word table of `weights`, a checkpoint folder, or of the pipeline's built-in model)."""
     from encoders import for_pipeline
     from encoders.request import Request
-    tensors, _ = for_pipeline(pipe).encode(pipe, Request(prompt=held_out_clip(seed).prompt), None)
+    prompt = held_out_clip(seed, recipe).prompt
+    tensors, _ = for_pipeline(pipe).encode(pipe, Request(prompt=prompt), weights)
     return tensors
 
 
@@ -157,7 +168,8 @@ def deep_pipeline(family: Family):
             return family.config
 
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    return Deep(**{**fields, "size": family.size})
+    overrides = (family.recipe.overrides if family.recipe is not None else None) or {}
+    return Deep(**{**fields, **overrides, "size": family.size})
 
 
 @dataclass
@@ -185,7 +197,7 @@ class Workload:
 
 def draw_tensors(family: Family, pipe, shape, seed: int) -> dict:
     if family.trained:
-        return prompt_tensors(pipe, seed)
+        return prompt_tensors(pipe, seed, family.prompts, family.checkpoint)
     return pipe.synthesize(shape, True, False, seed)
 
 
@@ -307,17 +319,16 @@ def over_prompts(wl: Workload, go: Callable, seeds) -> Run:
     L2 pool the error of every prompt, where one draw's figure jumps with where the object
     went), CPU and wall summed, the computed fraction averaged. `run.follow`: the fixtures'
     analyser on each decoded video, per attribute, and the hits per prompt."""
-    from bench.fixtures import analyser
-
+    recipe = wl.family.prompts
     runs, hits = [], []
     for seed in seeds:
         run = go(wl.reseeded(seed))
-        hits.append(analyser.score(shown_clip(wl.pipe, run.latents), held_out_clip(seed)))
+        hits.append(recipe.score(shown_clip(wl.pipe, run.latents), held_out_clip(seed, recipe)))
         runs.append(run)
     out = Run(torch.cat([r.latents for r in runs]), sum(r.wall for r in runs),
               sum(r.cpu for r in runs), sum(r.fraction for r in runs) / len(runs),
               [c for r in runs for c in r.per_call], [r.trace for r in runs], runs[0].note)
-    out.follow = {**{k: sum(h[k] for h in hits) / len(hits) for k in analyser.ATTRIBUTES},
+    out.follow = {**{k: sum(h[k] for h in hits) / len(hits) for k in recipe.attributes},
                   "hits": [{k: bool(v) for k, v in h.items()} for h in hits]}
     return out
 

@@ -133,20 +133,23 @@ def measure(pipe, cfg, scale, runs, *, steps, backend="jax", repeats=2):
     return out
 
 
-def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12, checkpoint=None):
+def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12, checkpoint=None,
+                    recipe=None):
     """The same runs on a model trained here (issue 28, the pipeline's committed checkpoint, or
     the trained tiny model at `checkpoint` with the pipeline's sampling),
     each on `prompts` held-out prompts (bench/pareto.py's draws), pooled: PSNR and rel L2 over
-    all of them against the reference's, and prompt following per attribute."""
-    from bench.fixtures import analyser
+    all of them against the reference's, and prompt following per attribute (`recipe`:
+    bench/fixtures/recipes.py, None the procedural one)."""
+    from bench.fixtures.recipes import PROCEDURAL
     from bench.pareto_workload import FOLLOW_SEEDS, held_out_clip, prompt_tensors, shown_clip
+    recipe = recipe or PROCEDURAL
     from modules.checkpoint import load_model
     from sampling.run import noise_for
 
     model = load_model(checkpoint or pipe.builtin_path)[0].eval()
     shape = pipe.latent_shape(*pipe.size)
     seeds = FOLLOW_SEEDS[:prompts]
-    draws = {seed: prompt_tensors(pipe, seed) for seed in seeds}
+    draws = {seed: prompt_tensors(pipe, seed, recipe, checkpoint) for seed in seeds}
     noise = torch.cat([noise_for(shape, seed) for seed in seeds])
     out, base = {}, None
     for name, config in {"reference": REFERENCE, **runs}.items():
@@ -159,13 +162,13 @@ def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12, checkpoint=
                                shift=pipe.shift, step_sync=False, warmup_rounds=1 if k == 0 else 0)
             z = be.get(traj.latents).float()
             latents.append(z)
-            hits.append(analyser.score(shown_clip(pipe, z), held_out_clip(seed)))
+            hits.append(recipe.score(shown_clip(pipe, z), held_out_clip(seed, recipe)))
             calls.append(calls_fraction(traj))
             blocks.append(blocks_fraction(traj, pipe.config.num_layers, plan))
             wall += traj.stats.wall_seconds
         latents = torch.cat(latents)
         row = {"traj": traj, "calls": sum(calls) / len(calls), "blocks": sum(blocks) / len(blocks),
-               **{a: sum(h[a] for h in hits) / len(hits) for a in analyser.ATTRIBUTES}}
+               **{a: sum(h[a] for h in hits) / len(hits) for a in recipe.attributes}}
         if base is None:
             base = (latents, wall)
             row.update(wall=1.0, signal=signal_scale(traj.gate.telemetry.trace))
@@ -476,21 +479,23 @@ def main():
 
 
 def main_trained(args, runs, began, load):
-    from bench.fixtures.analyser import ATTRIBUTES
-    from bench.pareto_workload import trained_families
+    from bench.pareto_workload import deep_pipeline, trained_families
     init = (f"weights: trained here (issue 28), {args.prompts} held-out prompts per run, pooled; "
             f"CFG on; fp32; {args.backend} backend on CPU")
     print(init)
     models, weights = [], []
     for family in trained_families(args.checkpoint).values():  # --checkpoint: its family only
-        name, pipe = family.pipeline, PIPELINES[family.pipeline]
+        # the family's tiny pipeline, with what a checkpoint of another recipe fixes (its
+        # clip size and sampling) and the checkpoint's own config
+        name, pipe = family.pipeline, deep_pipeline(family)
         results = measure_trained(pipe, runs, steps=args.steps, backend=args.backend,
-                                  prompts=args.prompts, checkpoint=family.checkpoint)
+                                  prompts=args.prompts, checkpoint=family.checkpoint,
+                                  recipe=family.prompts)
         ref = results["reference"]
         header = (f"{name} ({args.checkpoint or pipe.builtin}): {pipe.config.num_layers} blocks, "
                   f"{args.steps} steps "
                   f"{pipe.solver}; signal: median TeaCache rel {ref['signal']:.2e} per step")
-        models.append(record(name, header, results, attributes=ATTRIBUTES))
+        models.append(record(name, header, results, attributes=family.prompts.attributes))
         print("\n" + "\n".join(model_lines(models[-1])))
         path = family.checkpoint or pipe.builtin_path
         weights.append((os.path.relpath(path, ROOT), trained_step(path)))

@@ -94,6 +94,11 @@ CONFIGS: dict[str, WanConfig] = {
     "wan-tiny-trained": WanConfig(dim=96, ffn_dim=256, num_layers=6, num_heads=4, in_dim=3,
                                   out_dim=3, model_type="ti2v", patch_size=(1, 4, 4), text_len=16,
                                   text_dim=64),
+    # The second recipe's model (bench/fixtures/scenes.py, issue 60): 15x15 clips of 5 frames
+    # in 1x3x3 patches (125 tokens), five blocks, 20 text positions.
+    "wan-tiny-scenes": WanConfig(dim=96, ffn_dim=320, num_layers=5, num_heads=4, in_dim=3,
+                                 out_dim=3, model_type="ti2v", patch_size=(1, 3, 3), text_len=20,
+                                 text_dim=64),
 }
 
 # Parameters that stay fp32 when the rest is cast to bf16: the official code runs the time
