@@ -211,7 +211,8 @@ def main(argv=None) -> int:
             for f in firsts:
                 x = errors[(label, f)][i]
                 cells.append(f"**{x:.1e}**" if seed in flipped[(label, f)] else f"{x:.1e}")
-        lines.append(f"| {seed} | {held_out_clip(seed, wl.family.prompts).prompt} | " + " | ".join(cells) + " |")
+        prompt = held_out_clip(seed, wl.family.prompts).prompt
+        lines.append(f"| {seed} | {prompt} | " + " | ".join(cells) + " |")
     lines.append("| computed | | 1.000 | " + " | ".join(
         f"{sum(fractions[(x, f)]) / len(draws):.3f}" for x in labels for f in firsts) + " |")
     kept = []

@@ -37,7 +37,8 @@ def row(family, method, impl, setting, run=None, base=None, noise=None, status="
     if run is not None:
         r.update(computed_fraction=run.fraction, cpu_s=run.cpu, wall_s=run.wall)
         if run.follow is not None:
-            r.update({k: run.follow[k[len("follow_"):]] for k in FOLLOW})
+            # a recipe scores the attributes it can read (scenes: no shape); None: not read
+            r.update({k: run.follow.get(k[len("follow_"):]) for k in FOLLOW})
         if base is not None:
             f = fidelity(run.latents, base.latents, noise)
             r.update(speedup=base.cpu / run.cpu, psnr_db=f["psnr_db"], rel_l2=f["rel_l2"],
@@ -56,13 +57,17 @@ def show(r: dict) -> str:
             f"{num(r['rel_l2'], '.2e'):>9s} "
             f"{num(r['rel_to_displacement'], '.2e'):>9s}")
     if r.get("follow_foreground") is not None:
-        text += "  prompt " + " ".join(f"{k[7:9]} {r[k]:.0%}" for k in FOLLOW)
+        text += "  prompt " + " ".join(f"{k[7:9]} {r[k]:.0%}" for k in FOLLOW
+                                       if r.get(k) is not None)
     return text if r["status"] == "ok" else f"{text}  {r['status']}"
 
 
 # --- where we stand ---------------------------------------------------------------------------
 
 MATCH_TOLERANCE = 0.01  # computed fractions within this count as matched (they come in steps)
+# issue 60: within this PSNR a point of ours and a peer's are level, neither ahead nor behind:
+# where ours runs the very computation a peer runs, float noise leaves it about 1e-5 dB apart
+LEVEL_DB = 0.05
 GOAL_SPEEDUP, GOAL_DB = 1.25, 3.0  # issue 9: at equal fidelity 1.25x, or +3 dB at equal speed
 # issue 39: behind a peer point where ours loses more than this at matched computed fraction,
 # or computes more than 1/BEHIND_RATIO of the peer's fraction at matched PSNR
@@ -82,12 +87,13 @@ def front(points):
 def compare(ours, peer, tolerance):
     """For each point (cost, PSNR, ...) of the peer's front: ours' best PSNR at no more cost
     (+ tolerance) as a gain in dB, and the peer's cost over the least cost at which ours reaches
-    the peer's PSNR (a speedup ratio); None where ours has no such point."""
+    the peer's PSNR within LEVEL_DB (a speedup ratio; a tie is level, not a loss); None where
+    ours has no such point."""
     out = []
     for point in front(peer):
         cost, psnr = point[:2]
         at_cost = [q for c, q, *_ in ours if c <= cost + tolerance]
-        reach = [c for c, q, *_ in ours if q >= psnr]
+        reach = [c for c, q, *_ in ours if q >= psnr - LEVEL_DB]
         out.append((point, max(at_cost) - psnr if at_cost else None,
                     cost / min(reach) if reach else None))
     return out
@@ -132,8 +138,8 @@ def _best_at(ours, cost, tolerance):
 
 
 def cheapest_for(ours, psnr):
-    """Ours' cheapest point reaching `psnr`, or None."""
-    return min((p for p in ours if p[1] >= psnr), key=lambda p: p[0], default=None)
+    """Ours' cheapest point reaching `psnr` within LEVEL_DB, or None."""
+    return min((p for p in ours if p[1] >= psnr - LEVEL_DB), key=lambda p: p[0], default=None)
 
 
 def standing(rows, family, metric="psnr_db") -> tuple[list[str], str]:
@@ -175,6 +181,7 @@ def standing(rows, family, metric="psnr_db") -> tuple[list[str], str]:
     met = sum(goal_met(d, r) for _, d, r in res)
     both = sum(both_met(d, r) for _, d, r in res)
     lost = sum(behind(d, r) for _, d, r in res)
+    level = sum(not behind(d, r) and not goal_met(d, r) and abs(d) <= LEVEL_DB for _, d, r in res)
     timed = compare(points(rows, family, True, "cpu", metric), points(rows, family, False, "cpu", metric),
                     0.0)
     timed_met = sum(goal_met(d, r) for _, d, r in timed)
@@ -187,7 +194,8 @@ def standing(rows, family, metric="psnr_db") -> tuple[list[str], str]:
               f"{len(timed)} points of the best peer's front in CPU time."]
     summary = (f"PSNR {METRICS[metric]}: goal met at {met} of {len(res)} points of the best "
                f"peer's front in computed fraction, both forms at once (+3 dB and 1.25x) at {both}, "
-               f"behind at {lost} (PSNR gain of ours at matched fraction "
+               f"behind at {lost}, level (within {LEVEL_DB:g} dB) at {level} (PSNR gain of ours "
+               "at matched fraction "
                f"{_summary([d for _, d, _ in res], '+.1f')} dB, min / median / max; compute "
                f"ratio at matched PSNR {_summary([r for _, _, r in res], '.2f', 'x')}), and at "
                f"{timed_met} of {len(timed)} in measured CPU time")
@@ -297,8 +305,13 @@ def not_registered() -> str:
             "adapter and runs.")
 
 
+def read(r) -> list[str]:
+    """The prompt-following columns the row's recipe scored."""
+    return [k for k in FOLLOW if r.get(k) is not None]
+
+
 def follow_mean(r) -> float:
-    return sum(r[k] for k in FOLLOW) / len(FOLLOW)
+    return sum(r[k] for k in read(r)) / len(read(r))
 
 
 def follow_standing(rows, family, n) -> tuple[list[str], str]:
@@ -315,11 +328,12 @@ def follow_standing(rows, family, n) -> tuple[list[str], str]:
 
     def keeps(r):
         ref = base["ours" if r["impl"] == "ours" else "diffusers"]
-        return all(r[k] >= ref[k] - slack for k in FOLLOW)
+        return all(r[k] >= ref[k] - slack for k in read(r))
 
     lines = [f"Each setting on the same {n} held-out prompts (attribute combinations never "
-             "trained on; one noise draw each), decoded and read by bench/fixtures/analyser.py. "
-             "mean: of the four attributes. keeps: no attribute loses more than one prompt "
+             "trained on; one noise draw each), decoded and read by the recipe's analyser "
+             "(bench/fixtures/recipes.py; '-' where it reads no such attribute). mean: of the "
+             "attributes read. keeps: no attribute loses more than one prompt "
              "against the same implementation's uncached run.", "",
              "| method | setting | computed | fg color | bg color | direction | shape | mean | "
              "keeps the prompt |", "|---|---|---|---|---|---|---|---|---|"]
@@ -327,7 +341,7 @@ def follow_standing(rows, family, n) -> tuple[list[str], str]:
                                          r["computed_fraction"])):
         name = f"{r['impl']} uncached" if r["method"] == "uncached" else r["method"]
         lines.append(f"| {name} | {r['setting']} | {r['computed_fraction']:.3f} | "
-                     + " | ".join(f"{r[k]:.0%}" for k in FOLLOW)
+                     + " | ".join("-" if r.get(k) is None else f"{r[k]:.0%}" for k in FOLLOW)
                      + f" | {follow_mean(r):.0%} | {'yes' if keeps(r) else 'NO'} |")
     cached = [r for r in done if r["method"] != "uncached"]
     parts = []
@@ -351,7 +365,7 @@ def follow_standing(rows, family, n) -> tuple[list[str], str]:
 
 
 def plot_follow(rows, fams, path) -> bool:
-    """Prompt following (mean of the four attributes) against computed fraction, per family."""
+    """Prompt following (mean of the attributes read) against computed fraction, per family."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -373,7 +387,7 @@ def plot_follow(rows, fams, path) -> bool:
                 ax.axhline(follow_mean(r), color="gray", linestyle="--", label="uncached")
         ax.set_title(fam.title, fontsize=10)
         ax.set_xlabel("fraction of block evaluations computed")
-        ax.set_ylabel("prompt following, mean of 4 attributes")
+        ax.set_ylabel("prompt following, mean of the attributes read")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -387,6 +401,8 @@ FRONT_DB = 1.0  # issue 17: budgeted mode's points lie within this of our front
 
 BUDGETED = {"ours budgeted": ("rel_err", r"budget ([0-9.e+-]+)", "rel L2 budget"),
             "ours budgeted speedup": ("speedup", r"speedup ([0-9.e+-]+)", "speedup")}
+PRESETS = "ours presets"  # `--preset NAME`: the other single flag a user runs
+ONE_FLAG = (*BUDGETED, PRESETS)
 
 
 def kept(kind: str, target: float, rel_l2: float, computed: float) -> bool:
@@ -394,83 +410,168 @@ def kept(kind: str, target: float, rel_l2: float, computed: float) -> bool:
     return rel_l2 <= target if kind == "rel_err" else computed <= 1.0 / target + 1e-9
 
 
-def budget_standing_of(rows, family, facts) -> tuple[list[str], str]:
+def against_peers(f: float, q: float, peers):
+    """A point (computed f, PSNR q) of ours against the peers' points: the best peer PSNR at no
+    more computed (+ tolerance), ours' gain over it, and the ratio of the peer's least computed
+    fraction reaching q (within LEVEL_DB: a tie is level) to f; None where no peer is on that
+    side."""
+    peer_at = max((p for c, p, *_ in peers if c <= f + MATCH_TOLERANCE), default=None)
+    gain = None if peer_at is None else q - peer_at
+    reach = [c for c, p, *_ in peers if p >= q - LEVEL_DB]
+    return peer_at, gain, (min(reach) / f if reach else None)
+
+
+def verdict(gain, ratio) -> str:
+    """One point against the best peer: BEHIND where an existing comparison falls under issue
+    39's floor; goal and both (issue 9 and 17) only where a peer point exists on each side;
+    level where ours is within LEVEL_DB of the peer at its computed fraction."""
+    if (gain is not None and gain < BEHIND_DB) or (ratio is not None and ratio < BEHIND_RATIO):
+        return "BEHIND"
+    if gain is None or ratio is None:
+        return "no peer on one side"
+    if both_met(gain, ratio):
+        return "both"
+    if goal_met(gain, ratio):
+        return "goal"
+    return "level" if abs(gain) <= LEVEL_DB else "ahead" if gain > 0 else "short"
+
+
+def budget_standing_of(rows, family, facts, metric="psnr_db",
+                       promises=True) -> tuple[list[str], str]:
     """budget_standing from a family's facts (bench/pareto.py run_family)."""
     return budget_standing(rows, family, facts["budget_unseen"], facts.get("budget_screen", ()),
-                           facts.get("budget_confirm", ()), facts.get("budget_chaotic", ()))
+                           facts.get("budget_confirm", ()), facts.get("budget_chaotic", ()),
+                           metric, promises)
 
 
-def budget_standing(rows, family, unseen, screen=(), confirm=(), chaotic=()) -> tuple[list[str], str]:
-    """Budgeted mode: each target (an error budget or a speedup) on the draws it was not
-    calibrated or screened on (the row's own draws and UNSEEN_SEEDS but SEED), and each of its points
-    against our front (the other curves) and the best peer, both forms of the goal. A point
-    counts as met only where the chosen run computed less than every block and a peer point
-    exists on each side (issue 39). Markdown lines and a one-line summary."""
-    runs = [r for r in rows if r["family"] == family and r["method"] in BUDGETED
+def _target(r) -> tuple[str, float, str]:
+    kind, pattern, name = BUDGETED[r["method"]]
+    return kind, float(re.search(pattern, r["setting"]).group(1)), name
+
+
+def budget_standing(rows, family, unseen, screen=(), confirm=(), chaotic=(),
+                    metric="psnr_db", promises=True) -> tuple[list[str], str]:
+    """What one flag gives (issue 60): budgeted mode's targets and the presets, each chosen on
+    calibration draws alone, against the best peer at matched computed fraction and matched
+    PSNR and against our front; then the promises: each error budget that chose caching on the
+    draws it was not calibrated or screened on (the row's own draws and UNSEEN_SEEDS but SEED),
+    against the budget and against the bound it promised, uncached choices apart, and each
+    speedup target by the speedup it achieved (with `promises`: they do not depend on how PSNR
+    is aggregated). Markdown lines and a one-line summary."""
+    runs = [r for r in rows if r["family"] == family and r["method"] in ONE_FLAG
             and r["status"] == "ok"]
     if not runs:
         return ["Budgeted mode did not run."], "budgeted mode did not run"
-    ours = [p for p in points(rows, family, True) if p[2] not in BUDGETED]
-    peers = points(rows, family, False)
+    ours = [p for p in points(rows, family, True, metric=metric) if p[2] not in ONE_FLAG]
+    peers = points(rows, family, False, metric=metric)
     unseen_seeds = [s for s in UNSEEN_SEEDS if s != SEED]
-    lines = [f"Budgeted mode (`--budget_profile` with `--budget_rel_err` or `--budget_speedup`), "
+    lines = [f"One flag: `--budget_rel_err`, `--budget_speedup` (with `--budget_profile`, "
              f"calibrated on draws {', '.join(map(str, BUDGET_SEEDS))}"
-             + (f" and each configuration a target chooses screened on draws {screen[0]}-{screen[-1]}"
+             + (f", each configuration a target chooses screened on draws {screen[0]}-{screen[-1]}"
                 f" ({len(screen)} draws; sampling/budget.py)" if screen else "")
              + (f", each one an error budget chooses confirmed on draws {confirm[0]}-{confirm[-1]}"
                 f" ({len(confirm)} draws)" if confirm else "")
-             + (f" (set aside as chaotic, their uncached run flipping with bf16-rounded weights: "
-                f"draw{'s' if len(chaotic) > 1 else ''} {', '.join(map(str, chaotic))})"
+             + (f"; set aside as chaotic, their uncached run flipping with bf16-rounded weights: "
+                f"draw{'s' if len(chaotic) > 1 else ''} {', '.join(map(str, chaotic))}"
                 if chaotic else "")
-             + "; each target's point is "
-             "its run on the draws every curve here is measured on, and it is also run on draws "
-             f"{', '.join(map(str, unseen_seeds))}. PSNR pooled over draws:", "",
-             "| target | chosen | computed | PSNR dB | achieved rel L2 (max over the point and the "
-             "unseen draws) | kept | our front's best PSNR at that fraction | best peer's PSNR at "
-             "no more computed (ours' gain) | best peer's least computed for that PSNR (ratio) "
-             "| both (+3 dB and 1.25x) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    kept_all = near_all = both_all = draws = 0
-    uncached = []
-    for r in runs:
-        kind, pattern, name = BUDGETED[r["method"]]
-        target = float(re.search(pattern, r["setting"]).group(1))
+             + ") and `--preset`, each point its run on the draws every curve here is measured "
+             f"on; PSNR {METRICS[metric]}. A tie within {LEVEL_DB:g} dB is level. Goal and both "
+             "count only where a peer point exists on each side.", "",
+             "| flag | chosen | computed | PSNR dB | our front's best PSNR at that fraction | best "
+             "peer's PSNR at no more computed (ours' gain) | best peer's least computed for that "
+             "PSNR (ratio) | against the best peer |", "|---|---|---|---|---|---|---|---|"]
+    tally = {"points": 0, "near": 0, "compared": 0}
+    verdicts: list[str] = []
+    uncached: list[str] = []
+    for r in sorted(runs, key=lambda r: r["computed_fraction"]):
+        name = (f"{_target(r)[2]} {_target(r)[1]:g}" if r["method"] in BUDGETED
+                else f"preset {r['setting'].split(':')[0]}")
         choice = r["setting"].split(": ", 1)[1] if ": " in r["setting"] else "-"
-        others = [u for u in unseen if u["kind"] == kind and u["target"] == target]
-        achieved = [(r["rel_l2"], r["computed_fraction"])] + [(u["rel_l2"], u["computed"])
-                                                              for u in others]
-        draws += len(achieved)
-        n_kept = sum(kept(kind, target, e, c) for e, c in achieved)
-        f, q = r["computed_fraction"], r["psnr_db"]
-        if f >= 1.0:  # nothing calibrated promises it: one line, no technique named
-            uncached.append(f"{name} {target:g}")
-            kept_all += n_kept
-            lines.append(f"| {name} {target:g} | uncached: no calibrated configuration promises "
-                         f"it | {f:.3f} | - | - | {n_kept}/{len(achieved)} | - | - | - | not met |")
+        f, q = r["computed_fraction"], r[metric]
+        if f >= 1.0:  # nothing calibrated promises it, or a preset skipped nothing: no point
+            uncached.append(name)
+            why = ("uncached: no calibrated configuration promises it" if r["method"] in BUDGETED
+                   else "computed every block on these draws")
+            lines.append(f"| {name} | {why} | {f:.3f} | - | - | - | - | no point |")
             continue
         front_at = max((p for c, p, *_ in ours if c <= f + MATCH_TOLERANCE), default=None)
         near = front_at is None or q >= front_at - FRONT_DB
-        peer_at = max((p for c, p, *_ in peers if c <= f + MATCH_TOLERANCE), default=None)
-        gain = None if peer_at is None else q - peer_at
-        reach = [c for c, p, *_ in peers if p >= q]
-        ratio = min(reach) / f if reach else None
-        both = both_met(gain, ratio)
-        kept_all += n_kept
-        near_all += near
-        both_all += both
+        peer_at, gain, ratio = against_peers(f, q, peers)
+        v = verdict(gain, ratio)
+        verdicts.append(v)
+        tally["points"] += 1
+        tally["near"] += near
+        tally["compared"] += gain is not None and ratio is not None
         lines.append(
-            f"| {name} {target:g} | {choice} | {f:.3f} | {q:.1f} | "
-            f"{max(e for e, _ in achieved):.2e} | {n_kept}/{len(achieved)} | "
+            f"| {name} | {choice} | {f:.3f} | {q:.1f} | "
             f"{_fmt(front_at, '.1f', 'none')} ({'within' if near else 'NOT within'} {FRONT_DB:g} "
             f"dB) | {_fmt(peer_at, '.1f', 'none (no peer is as cheap)')} "
             f"({_fmt(gain, '+.1f', '-')} dB) | "
             f"{_fmt(None if ratio is None else f * ratio, '.3f', 'none (no peer reaches it)')} "
-            f"({_fmt(ratio, '.2f', '-')}x) | {'met' if both else 'not met'} |")
-    summary = (f"budgeted mode kept {kept_all} of {draws} target x draw runs; of its "
-               f"{len(runs)} targets, {len(runs) - len(uncached)} chose caching "
-               + (f"({len(uncached)} ran uncached: no calibrated configuration promises "
-                  f"{', '.join(uncached)})" if uncached else "(none ran uncached)")
-               + f", within {FRONT_DB:g} dB of our front at "
-               f"{near_all}, both forms against the best peer at {both_all}")
-    lines += ["", f"Summary: {summary}. A point counts as met only where the chosen run computed "
-              "less than every block and a peer point exists on each side."]
+            f"({_fmt(ratio, '.2f', '-')}x) | {v} |")
+    count = {k: verdicts.count(k) for k in ("BEHIND", "both", "goal", "level")}
+    flag = (f"one flag ({tally['points']} points of budgeted mode and the presets): behind the "
+            f"best peer at {count['BEHIND']}, goal at {count['goal'] + count['both']} and both "
+            f"forms at {count['both']} of the {tally['compared']} with a peer point on each side, "
+            f"level at {count['level']}, within {FRONT_DB:g} dB of our front at {tally['near']}")
+    lines += ["", f"{flag[0].upper()}{flag[1:]}."]
+    if not promises:
+        return lines, flag
+    promises, promised = _promises(runs, unseen, unseen_seeds, uncached)
+    lines += ["", "Promises on draws the calibration never saw: the point's draws and draws "
+              f"{', '.join(map(str, unseen_seeds))}. An error budget that chose caching promised "
+              "the budget and a bound (its 95% prediction bound on calibration, screen and "
+              "confirm draws); a speedup target is reported by the block speedup it achieved "
+              "(1 / computed), which a static schedule meets by construction.", ""] + promises
+    summary = f"{flag}; {promised}"
+    lines += ["", f"Summary: {summary}."]
     return lines, summary
+
+
+def _promises(runs, unseen, unseen_seeds, uncached) -> tuple[list[str], str]:
+    lines = ["| target | chosen | promised bound | achieved rel L2 (max over draws) | within the "
+             "budget | within its bound |", "|---|---|---|---|---|---|"]
+    budget_draws = within_budget = within_bound = 0
+    chose = 0
+    speed = ["", "| speedup target | chosen | block speedup achieved (min over draws) | CPU "
+             "speedup of the point |", "|---|---|---|---|"]
+    achieved_ratio = []
+    for r in runs:
+        if r["method"] not in BUDGETED:
+            continue
+        kind, target, name = _target(r)
+        others = [u for u in unseen if u["kind"] == kind and u["target"] == target]
+        achieved = [(r["rel_l2"], r["computed_fraction"])] + [(u["rel_l2"], u["computed"])
+                                                              for u in others]
+        choice = r["setting"].split(": ", 1)[1] if ": " in r["setting"] else "-"
+        if r["computed_fraction"] >= 1.0:
+            continue
+        if kind == "speedup":
+            block = min(1.0 / c for _, c in achieved)
+            achieved_ratio.append(block / target)
+            speed.append(f"| {target:g} | {choice} | {block:.2f}x | {_fmt(r.get('speedup'), '.2f')}x |")
+            continue
+        chose += 1
+        bound = next((u["bound"] for u in others if u.get("bound") is not None), None)
+        n_budget = sum(e <= target for e, _ in achieved)
+        n_bound = None if bound is None else sum(e <= bound for e, _ in achieved)
+        budget_draws += len(achieved)
+        within_budget += n_budget
+        within_bound += n_bound or 0
+        lines.append(f"| {name} {target:g} | {choice} | {_fmt(bound, '.2e', 'not recorded')} | "
+                     f"{max(e for e, _ in achieved):.2e} | {n_budget}/{len(achieved)} | "
+                     + ("-" if n_bound is None else f"{n_bound}/{len(achieved)}") + " |")
+    budgets = [r for r in runs if r["method"] == "ours budgeted"]
+    speedups = [r for r in runs if r["method"] == "ours budgeted speedup"]
+
+    def apart(prefix):
+        names = [n for n in uncached if n.startswith(prefix)]
+        return f"{len(names)} ran uncached" + (f" ({', '.join(names)})" if names else "")
+    text = (f"error budgets: {chose} of {len(budgets)} chose caching and kept the budget on "
+            f"{within_budget} of {budget_draws} unseen draws, their promised bound on "
+            f"{within_bound}; {apart('rel L2')}; speedup targets: {len(achieved_ratio)} of "
+            f"{len(speedups)} chose caching, block speedup achieved over asked "
+            + (f"{min(achieved_ratio):.2f} to {max(achieved_ratio):.2f}" if achieved_ratio
+               else "none")
+            + f"; {apart('speedup')}")
+    return lines + speed, text

@@ -12,8 +12,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from bench import taylorseer_gap as tg
 from bench.page import trained_step, write_page, write_section
+from sampling import budget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -394,3 +397,26 @@ def test_tpu_aot_names_how_each_row_compiled(tmp_path, monkeypatch):
     assert ("new 2026-11-29, 2 cores, 1-minute load average 0.1 at the start, 2.0 at the end." in text)
     assert text.endswith("Reports from before the record was kept: old.")
     assert "absent" not in text
+
+
+def test_calibration_cost_counts_runs_worth_references_and_floors():
+    """bench/calibration_cost.py (issue 60): a configuration run is worth its computed
+    fraction, every draw its uncached reference, and bf16 floors range from the calibration
+    draws' (and the chaotic draws') to one per further draw."""
+    from bench.calibration_cost import page_cost, per_draw
+    block = {"seeds": [1, 2, 3], "screen_seeds": [34, 35], "confirm_seeds": [84],
+             "chaotic": {"seeds": [36], "floor_rel_l2": [0.2]},
+             "candidates": [
+                 {"label": "static a", "computed": [0.5] * 3, "screen": {"computed": [0.5, 0.5]},
+                  "confirm": {"computed": [0.5]}},
+                 {"label": "TeaCache relative 3", "computed": [0.4, 0.6, 0.5],
+                  "screen": {"computed": [0.2]}}]}
+    c = page_cost(block)
+    assert c["calibration_runs"] == 6 and c["calibration"] == pytest.approx(3.0 + 3)
+    assert (c["screen_runs"], c["screen"]) == (3, pytest.approx(1.2 + 2))
+    assert (c["confirm_runs"], c["confirm"]) == (1, pytest.approx(0.5 + 1))
+    assert c["floors"] == (4, 7) and c["total"] == (pytest.approx(6 + 3.2 + 1.5 + 1 + 4),
+                                                    pytest.approx(6 + 3.2 + 1.5 + 1 + 7))
+    # the static schedules of a real pipeline: their computed fractions summed, exactly
+    static, adaptive, n = per_draw("wan2.2-ti2v-5b", {})
+    assert 80 < static < 100 and adaptive == len(budget.SPACE) and n > 250

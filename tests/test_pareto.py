@@ -125,27 +125,68 @@ def test_behind_and_the_runs_that_skipped_nothing():
     assert "ours X, s" in "\n".join(lines)  # the point of ours each comparison used is named
 
 
-def test_budget_standing_counts_only_caching_against_a_peer_point_that_exists():
+def test_an_exact_tie_with_a_peer_is_level_not_behind():
+    """Issue 60: where ours runs the peer's very computation, float noise leaves it 1e-5 dB
+    lower; the rule must not then fall to ours' next, costlier point and call it behind."""
+    ours = [(0.36, 40.0 - 1e-5, "ours X", "every 3rd"), (0.40, 41.0, "ours Y", "s")]
+    (point, gain, ratio), = report.compare(ours, [(0.36, 40.0, "SeaCache")], 0.01)
+    assert ratio == pytest.approx(1.0) and not report.behind(gain, ratio)
+    rows = [_row("ours X", "ours", 0.36, 40.0 - 1e-5), _row("ours Y", "ours", 0.40, 41.0),
+            _row("peer", "diffusers", 0.36, 40.0)]
+    _, summary = report.standing(rows, "wan")
+    assert "behind at 0, level (within 0.05 dB) at 1" in summary
+    # 0.1 dB short is no tie: ours' next point is 0.36 / 0.40 = 0.90x, behind
+    rows[0]["psnr_db"] = 39.9
+    assert "behind at 1, level (within 0.05 dB) at 0" in report.standing(rows, "wan")[1]
+    assert report.verdict(-1e-5, 1.0) == "level" and report.verdict(0.3, 1.1) == "ahead"
+    assert report.verdict(None, 2.0) == "no peer on one side"
+    assert report.verdict(None, 0.9) == "BEHIND" and report.verdict(-0.6, None) == "BEHIND"
+    assert report.verdict(3.5, 1.1) == "goal" and report.verdict(3.5, 1.3) == "both"
+
+
+def test_one_flag_counts_and_promises_a_reader_can_trust():
+    """Issue 60: budgeted mode and the presets against the best peer (goal and both only where
+    a peer point exists on each side; a tie level); error budgets that chose caching counted
+    against the budget and against their promised bound; uncached choices apart; speedup
+    targets by the speedup they achieved, not as kept."""
     rows = [_row("ours budgeted", "ours", 1.0, math.inf,
                  "rel L2 budget 0.01: uncached: no calibrated configuration promises it"),
+            _row("ours budgeted", "ours", 0.5, 55.0, "rel L2 budget 0.03: static z", rel_l2=0.02),
             _row("ours budgeted speedup", "ours", 0.2, 30.0, "speedup 4: static x"),
             _row("ours budgeted speedup", "ours", 0.4, 60.0, "speedup 2.5: static y"),
+            _row("ours presets", "ours", 0.6, 50.0, "turbo"),
+            _row("ours X", "ours", 0.5, 55.5),
             _row("peer", "diffusers", 0.38, 50.0), _row("peer", "diffusers", 0.6, 61.0)]
+    rows[3]["speedup"] = 2.3  # the point's measured CPU speedup
     unseen = [{"kind": "speedup", "target": 4.0, "rel_l2": 0.1, "computed": 0.2},
-              {"kind": "speedup", "target": 2.5, "rel_l2": 0.1, "computed": 0.44}]
+              {"kind": "speedup", "target": 2.5, "rel_l2": 0.1, "computed": 0.44},
+              {"kind": "rel_err", "target": 0.03, "rel_l2": 0.025, "computed": 0.5,
+               "bound": 0.015},
+              {"kind": "rel_err", "target": 0.03, "rel_l2": 0.01, "computed": 0.5,
+               "bound": 0.015}]
     lines, summary = report.budget_standing(rows, "wan", unseen)
     text = "\n".join(lines)
     assert "uncached: no calibrated configuration promises it" in text
-    # speedup 4: no peer is as cheap, so no gain to count: not met; speedup 2.5: +10 dB over
-    # the peer's 0.38 point, and 60 dB where the peer needs 0.6 (1.5x): met
-    assert "both forms against the best peer at 1" in summary
-    assert "1 ran uncached" in summary
-    # the unseen draw that computed 0.44 missed the 2.5x target
-    assert "kept 4 of 5" in summary
+    # speedup 4: no peer is as cheap (no goal counted, not behind); speedup 2.5: +10 dB and
+    # 1.5x (both); budget 0.03: +5 dB over the 0.38 point, the peer needs 0.6 for 55 dB (1.2x):
+    # goal; preset turbo at 0.6: -11 dB, behind
+    assert ("one flag (4 points of budgeted mode and the presets): behind the best peer at 1, "
+            "goal at 2 and both forms at 1 of the 3 with a peer point on each side, level at 0, "
+            "within 1 dB of our front at 3") in summary
+    assert "| preset turbo | - | 0.600 | 50.0 |" in text and "| BEHIND |" in text
+    # the 0.03 budget: kept on its 3 draws, its promised bound 0.015 on 1 of them
+    assert "error budgets: 1 of 2 chose caching and kept the budget on 3 of 3 unseen draws, " \
+           "their promised bound on 1; 1 ran uncached (rel L2 budget 0.01)" in summary
+    assert "| rel L2 budget 0.03 | static z | 1.50e-02 | 2.50e-02 | 3/3 | 1/3 |" in text
+    # speedup targets by what they achieved: 2.5 asked, 1/0.44 = 2.27x on one draw
+    assert "| 2.5 | static y | 2.27x | 2.30x |" in text
+    assert "speedup targets: 2 of 2 chose caching, block speedup achieved over asked 0.91 to " \
+           "1.25; 0 ran uncached" in summary
+    assert "kept" not in summary.split("speedup targets")[1]
     assert report.kept("rel_err", 0.01, 0.009, 1.0) and not report.kept("speedup", 2.0, 0.0, 0.51)
     assert "screened" not in text
     screened = "\n".join(report.budget_standing(rows, "wan", unseen, tuple(range(34, 64)))[0])
-    assert "calibrated on draws 1, 2, 3 and each configuration a target chooses screened on " \
+    assert "calibrated on draws 1, 2, 3, each configuration a target chooses screened on " \
            "draws 34-63 (30 draws" in screened and "confirmed" not in screened
     confirmed = "\n".join(report.budget_standing(rows, "wan", unseen, tuple(range(34, 64)),
                                                  tuple(range(84, 114)))[0])
@@ -153,11 +194,11 @@ def test_budget_standing_counts_only_caching_against_a_peer_point_that_exists():
            "84-113 (30 draws)" in confirmed and "chaotic" not in confirmed
     # the draws screening set aside as chaotic are named (sampling/budget.py screen)
     aside = [r for r in rows if "uncached" not in r["setting"]]
-    for chaotic, named in (((63,), "draw 63)"), ((123, 142), "draws 123, 142)")):
+    for chaotic, named in (((63,), "draw 63"), ((123, 142), "draws 123, 142")):
         lines, summary = report.budget_standing(aside, "wan", unseen, tuple(range(34, 64)),
                                                 tuple(range(84, 144)), chaotic)
-        assert f"bf16-rounded weights: {named}" in "\n".join(lines)
-        assert "(none ran uncached)" in summary
+        assert f"bf16-rounded weights: {named})" in "\n".join(lines)
+        assert "0 ran uncached;" in summary
 
 
 def test_mean_over_draws_is_each_draws_own_psnr_averaged():
@@ -202,3 +243,20 @@ def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
         pytest.fail("a run the runs file holds was sampled again")
     monkeypatch.setattr(calibrate, "_runner", lambda *_, **__: sampled_again)
     assert pareto.budget_profile(wl, str(tmp_path / "again.json"), runs=runs) == first
+
+
+def test_a_quick_page_says_it_is_no_result_and_shows_what_one_flag_gives(tmp_path):
+    """The whole bench in quick mode on a 2-block random model (about 20 s): the page says it is
+    not a result, carries the presets as a curve and the one-flag standing in both aggregations,
+    and the promises of budgeted mode with their bounds."""
+    from bench import pareto
+    assert pareto.SPEEDUPS["trained"] == pareto.SPEEDUPS["random"]  # one grid, declared up front
+    assert pareto.main(["--quick", "--families", "wan", "--steps", "6", "--blocks", "2",
+                        "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "README.md").read_text()
+    assert "**QUICK MODE: NOT A RESULT.**" in page
+    assert "PSNR pooled: one flag (" in page and "PSNR mean over draws: one flag (" in page
+    assert "| preset turbo |" in page and "| ours presets | turbo |" in page
+    assert "| target | chosen | promised bound |" in page
+    with open(tmp_path / "results.csv") as f:
+        assert sum(",ours presets," in line for line in f) == 4  # safe, balanced, hybrid, turbo

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from bench import pareto_workload as pw
-from bench.fixtures import recipes
+from bench.fixtures import recipes, train
 from bench.fixtures import scenes as S
-from bench.fixtures import train
 from cache import CMConfig
 
 
