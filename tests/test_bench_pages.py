@@ -420,3 +420,25 @@ def test_calibration_cost_counts_runs_worth_references_and_floors():
     # the static schedules of a real pipeline: their computed fractions summed, exactly
     static, adaptive, n = per_draw("wan2.2-ti2v-5b", {})
     assert 80 < static < 100 and adaptive == len(budget.SPACE) and n > 250
+
+
+def test_the_replay_runs_no_block_and_reproduces_the_run_it_recorded():
+    """bench/calibration_proxy.py (issue 60): the record is one uncached run; replaying it with
+    every step computed gives that run back (to fp32 rounding of input + residual), and a static
+    schedule's replay evaluates no block at all while its latents differ from the record."""
+    from bench import calibration_proxy as cp
+    from bench import pareto_workload as pw
+    from cache import CMConfig
+    from cache.flags import config_from_fields
+    wl = pw.build_workload(pw.trained_families()["wan"], steps=6)
+    counter = pw.our_counter(wl)
+    base, record, computed = cp.run(wl, CMConfig())
+    assert computed == 1.0 and len(record) == 12  # 6 steps x (cond, uncond)
+    again, _, _ = cp.run(wl, CMConfig(), record)
+    assert (again - base).abs().max() <= 1e-5 * base.abs().max()
+    counter.reset()
+    schedule = config_from_fields(budget.static_fields([0, 1, 3, 5]))
+    latents, taken, fraction = cp.run(wl, schedule, record)
+    assert not taken and fraction == 0.0 and sum(counter.per_call) == 0
+    assert 0 < (latents - base).abs().max()
+    assert cp.spearman([1, 2, 3, 4], [10, 20, 40, 30]) == pytest.approx(0.8)
