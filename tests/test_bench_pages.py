@@ -442,3 +442,26 @@ def test_the_replay_runs_no_block_and_reproduces_the_run_it_recorded():
     assert not taken and fraction == 0.0 and sum(counter.per_call) == 0
     assert 0 < (latents - base).abs().max()
     assert cp.spearman([1, 2, 3, 4], [10, 20, 40, 30]) == pytest.approx(0.8)
+
+
+def test_cfg_reuse_bound_spends_the_calls_it_says_and_reproduces_the_uncached_run():
+    """bench/cfg_reuse_bound.py: the call schedules hold the counts they claim, the frequency
+    split is exact at its ends, and a schedule computing every step is the uncached run while
+    one reusing the unconditional branch differs from it."""
+    import torch
+
+    from bench import cfg_reuse_bound as cb
+    from bench import pareto_workload as pw
+    assert cb.evenly(50, 18)[0] == 0 and cb.evenly(50, 18)[-1] == 49 and len(cb.evenly(50, 18)) == 18
+    c = cb.evenly(50, 24)
+    u = cb.subset(c, 12)
+    assert len(u) == 12 and set(u) <= set(c) and u[0] == 0 and u[-1] == 49
+    x = torch.randn(1, 3, 2, 8, 8)
+    assert torch.allclose(cb.low_pass(x, 2.0), x, atol=1e-5)
+    assert torch.allclose(cb.low_pass(x, 0.0), x.mean((-2, -1), keepdim=True), atol=1e-5)
+    assert cb.extrapolate([(0, 1.0), (2, 3.0)], 3) == 4.0 and cb.extrapolate([(2, 3.0)], 5) == 3.0
+    wl = pw.build_workload(pw.trained_families()["wan"], steps=6)
+    ref = cb.sample(wl, 10, None, None)
+    assert torch.equal(cb.sample(wl, 10, list(range(6)), list(range(6))), ref)
+    reused = cb.sample(wl, 10, list(range(6)), [0, 5], ("scaled", 0.5))
+    assert 0 < cb.psnr(reused, ref) < 200
