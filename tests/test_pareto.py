@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -260,3 +261,18 @@ def test_a_quick_page_says_it_is_no_result_and_shows_what_one_flag_gives(tmp_pat
     assert "| target | chosen | promised bound |" in page
     with open(tmp_path / "results.csv") as f:
         assert sum(",ours presets," in line for line in f) == 4  # safe, balanced, hybrid, turbo
+
+
+def test_a_committed_page_reads_again_from_its_rows_under_todays_rules(tmp_path):
+    """bench/pareto_restand.py: results.csv back into rows reads as the page did (the same
+    standing where no rule changed), and the dropped speedup-2.75 row is no longer a point."""
+    from bench import pareto_restand as restand
+    path = os.path.join(restand.ROOT, "bench", "results", "pareto", "trained", "results.csv")
+    rows = restand.read_rows(path)
+    assert any(r["setting"].startswith("speedup 2.75:") for r in rows)
+    assert all(isinstance(r["computed_fraction"], float) for r in rows if r["status"] == "ok")
+    goal, n, both, behind, level = restand.counts(report.standing(rows, "wan")[1])
+    assert (n, goal, both, behind) == (8, 7, 4, 0)  # the page's own pooled standing
+    assert restand.main(["--out", str(tmp_path / "restanding.md")]) == 0
+    page = (tmp_path / "restanding.md").read_text()
+    assert page.count("(2.75 dropped)") == 10  # every trained page ran it, pooled and mean
