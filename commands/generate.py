@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from encoders.request import EncoderInputError
 from sampling.cli import CommandParser, UsageError, as_int, command
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE
@@ -124,12 +125,25 @@ def _line(path: str, number: int, text: str) -> dict:
 def read_prompts(args) -> list[dict]:
     """The job's prompts, each {"prompt", and optionally "negative_prompt", "image", "audio",
     "seed"}, checked line by line."""
+    return [entry for _, entry in numbered_prompts(args)]
+
+
+SHOWN = 80  # characters of a refused prompt echoed back (a line can be 200 KB)
+
+
+def shown(text: str) -> str:
+    """A prompt as an error message quotes it: its first SHOWN characters."""
+    return repr(text) if len(text) <= SHOWN else f"{text[:SHOWN]!r}... ({len(text):,} characters)"
+
+
+def numbered_prompts(args) -> list[tuple[str, dict]]:
+    """read_prompts with where each prompt came from ("--prompt", "--prompts FILE line N")."""
     if (args.prompt is None) == (args.prompts is None):
         raise UsageError("give --prompt TEXT or --prompts FILE (one of them)")
     if args.prompt is not None:
         if not args.prompt.strip():
             raise UsageError("--prompt '': expected a prompt")
-        return [{"prompt": args.prompt}]
+        return [("--prompt", {"prompt": args.prompt})]
     try:
         with open(args.prompts, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -139,7 +153,8 @@ def read_prompts(args) -> list[dict]:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"--prompts {args.prompts} cannot be read ({exc}); expected a UTF-8 "
                          "text file of prompts") from None
-    entries = [_line(args.prompts, n, text) for n, text in enumerate(lines, 1)
+    entries = [(f"--prompts {args.prompts} line {n}", _line(args.prompts, n, text))
+               for n, text in enumerate(lines, 1)
                if text.strip() and not text.lstrip().startswith("#")]
     if not entries:
         raise UsageError(f"--prompts {args.prompts} holds no prompt; expected one a line")
@@ -265,7 +280,8 @@ def run(args) -> dict:
         raise UsageError("--input_dir: this command makes its own stage-1 inputs from the "
                          "prompts; run stage2_transformer_flax_deepcache.py for a stage-1 folder")
     args.model = args.model or DEFAULT_PIPELINE
-    entries = read_prompts(args)
+    numbered = numbered_prompts(args)
+    entries = [entry for _, entry in numbered]
     pipe = stage1.pipeline_of(args)
     folders = _folders(_root(args.output_dir), len(entries))
     base_seed = args.seed if args.seed is not None else DEFAULT_SEED
@@ -278,7 +294,18 @@ def run(args) -> dict:
         run_args.seed = entry.get("seed", (base_seed + i) % 2 ** 64)
         check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO)
                        + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
-        stage1.check(pipe, request, args.encoder_path)
+        try:
+            stage1.check(pipe, request, args.encoder_path)
+        except EncoderInputError as exc:
+            if exc.name not in ("--prompt", "--negative_prompt"):
+                raise
+            # name the file and line of a batch's prompt, and quote a long one only in part
+            text = request.prompt if exc.name == "--prompt" else request.negative_prompt or ""
+            problem = exc.problem.replace(repr(text), shown(text), 1)
+            where = numbered[i][0] if args.prompts is not None else exc.name
+            if args.prompts is not None and exc.name == "--negative_prompt":
+                where += ' "negative_prompt"' if "negative_prompt" in entry else " (--negative_prompt)"
+            raise EncoderInputError(where, problem, exc.expected) from None
         jobs.append(Job(request, functools.partial(stage2.resolve, run_args), folder,
                         request_id(args, entry, run_args.seed, pipe.name)))
     # stage 2's flags, sizes and outputs, checked on the first prompt: refused here, before any
