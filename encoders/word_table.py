@@ -60,7 +60,11 @@ class WordTable:
         tokens = words_of(prompt)
         unknown = sorted({w for w in tokens if w not in self.vocab})
         if unknown:
-            return (f"unknown word{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}",
+            import difflib
+            near = [(w, difflib.get_close_matches(w, self.vocab, n=1, cutoff=0.75)) for w in unknown]
+            hint = "; ".join(f"{w!r}: did you mean {m[0]!r}?" for w, m in near if m)
+            return (f"unknown word{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}"
+                    + (f" ({hint})" if hint else ""),
                     f"words the model knows: {' '.join(self.vocab)}")
         if len(tokens) > self.text_len:
             return f"{len(tokens)} words", f"at most {self.text_len}"

@@ -92,6 +92,15 @@ def command(build_parser: Callable, run: Callable[..., dict], format_summary: Ca
 SECTIONS = ("inputs and model", "caching", "parallel", "outputs and reports", "advanced")
 
 
+# flags other tools spell differently (diffusers' pipelines, the official generate.py scripts)
+ALIASES = {"--steps": "--num_inference_steps", "--sample_steps": "--num_inference_steps",
+           "--num_steps": "--num_inference_steps", "--cfg": "--guidance_scale",
+           "--sample_guide_scale": "--guidance_scale", "--guidance": "--guidance_scale",
+           "--frames": "--video_length", "--num_frames": "--video_length",
+           "--ckpt_dir": "--model_path", "--sample_shift": "--shift", "--out": "--output_dir",
+           "--output": "--output_dir", "--base_seed": "--seed"}
+
+
 class CommandParser(argparse.ArgumentParser):
     """`--help`: the flags of the common path (`common`, by dest), one line each with its
     default, under five sections; `--help_all`: every flag with its full description, in the
@@ -113,6 +122,26 @@ class CommandParser(argparse.ArgumentParser):
                        help="more diagnostics on stderr (-vv: debug)")
         g.add_argument("--summary_json", help="also write the run's summary here as JSON")
         self.common |= {"help", "quiet", "summary_json"}
+
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, where an unknown flag is named with the nearest one it has (`--steps`:
+        did you mean --num_inference_steps?)."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            import difflib
+            flags = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            hints = []
+            for token in extras:
+                name = token.split("=", 1)[0]
+                if not name.startswith("--"):
+                    continue
+                near = ALIASES.get(name) or next(iter(difflib.get_close_matches(
+                    name, flags, n=1, cutoff=0.7)), None)
+                if near in flags:
+                    hints.append(f"{name}: did you mean {near}?")
+            self.error(f"unrecognized arguments: {' '.join(extras)}"
+                       + (f" ({'; '.join(hints)})" if hints else ""))
+        return namespace
 
     def add_argument_group(self, title=None, description=None, **kwargs):
         for group in self._action_groups:  # one group a title, whoever adds to it

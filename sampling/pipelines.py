@@ -372,5 +372,8 @@ DEFAULT_PROMPT = "red circle moves right on blue"
 
 def get_pipeline(name: str) -> Pipeline:
     if name not in PIPELINES:
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(PIPELINES)}")
+        import difflib
+        near = difflib.get_close_matches(name, PIPELINES, n=1, cutoff=0.6)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ValueError(f"unknown model {name!r}; {hint}expected one of {', '.join(PIPELINES)}")
     return PIPELINES[name]

@@ -117,3 +117,37 @@ def test_a_summary_json_in_a_missing_folder_is_refused_before_any_work(tmp_path,
                         "--summary_json", str(tmp_path / "no" / "s.json")])
     assert code == 2 and "--summary_json" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--steps", "0"], "(--steps: did you mean --num_inference_steps?)"),
+    (["--num_frames", "9"], "(--num_frames: did you mean --video_length?)"),
+    (["--guidance_scal=4"], None),  # argparse's own prefix match takes it: no error
+    (["--enable_cahce"], "(--enable_cahce: did you mean --enable_cache?)"),
+    (["--zzz", "1"], ""),
+])
+def test_an_unknown_flag_is_named_with_the_nearest_one(capsys, argv, hint):
+    """Issue 62: `--steps 0` got "unrecognized arguments" with no hint."""
+    parser = generate.build_parser()
+    if hint is None:
+        parser.parse_args(["--prompt", "x", *argv])
+        return
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--prompt", "x", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"unrecognized arguments: {' '.join(argv)}" in err
+    assert (hint in err) if hint else "did you mean" not in err
+
+
+def test_an_unknown_model_or_word_is_named_with_the_nearest_known_one():
+    from encoders.word_table import WordTable
+    from sampling.pipelines import get_pipeline
+    with pytest.raises(ValueError, match="unknown model 'wan-tiny-traned'; did you mean "
+                                         "'wan-tiny-trained'\\? expected one of"):
+        get_pipeline("wan-tiny-traned")
+    with pytest.raises(ValueError, match="unknown model 'zzz'; expected one of"):
+        get_pipeline("zzz")
+    table = WordTable([[0.0]] * 3, [[0.0]] * 4, ["red", "circle", "moves"])
+    problem, expected = table.problem("red circel mooves zebra")
+    assert problem == ("unknown words circel, mooves, zebra ('circel': did you mean 'circle'?; "
+                       "'mooves': did you mean 'moves'?)") and expected.endswith("red circle moves")
