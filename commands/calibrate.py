@@ -401,6 +401,8 @@ def calibrate(spec: Calibration) -> dict:
     memo = None if spec.runs is None else RunMemo(spec.runs, runs_identity(
         fingerprints, model=pipe.name, steps=steps, solver=pipe.solver, shift=pipe.shift,
         shape=shape, backend=spec.backend))
+    if memo is not None and memo.resumed():
+        print(memo.resumed(), file=sys.stderr, flush=True)
     pairs, ratios = collect(backend, pipe, tensors, shape, signal=spec.signal,
                             steps=steps, solver=pipe.solver, shift=pipe.shift)
     result = fit(pairs, spec.degree)

@@ -9,7 +9,9 @@ the run under way), and a rerun with the same file answers those from it instead
 
 The file's first line names what its runs hold for (the weights' fingerprint, the sampler's
 steps, solver and shift, the backend); a rerun with anything else is refused with what differs,
-never mixed in. A line cut short by a kill (the last one) is dropped and run again.
+never mixed in. A line cut short by a kill (the last one) is dropped and run again: the file is
+truncated after the last whole line, in place, so a kill at that moment loses nothing else
+(rewriting the kept lines would put every one of them at risk).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RunMemo:
     def __init__(self, path: str, identity: dict):
         self.path, self.identity, self.runs = path, {"version": VERSION, **identity}, {}
         self.reused = 0
+        self.torn = False  # a last line cut short by a kill was dropped
         header = json.dumps(self.identity, sort_keys=True)
         if os.path.exists(path) and os.path.getsize(path) > 0:
             self._read(header)
@@ -59,9 +62,10 @@ class RunMemo:
 
     def _read(self, header: str) -> None:
         try:
-            with open(self.path) as f:
-                lines = f.read().split("\n")
-        except (OSError, UnicodeDecodeError) as exc:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+            lines = raw.decode("utf-8", errors="surrogateescape").split("\n")
+        except OSError as exc:
             raise RunsFileError(f"runs file {self.path}: cannot read it ({exc}); expected the "
                                 "JSON-lines file of an earlier calibration, or a new path") from None
         try:
@@ -86,14 +90,25 @@ class RunMemo:
                     raise RunsFileError(f"runs file {self.path}: line {i + 1} is not a run "
                                         "({key, rel_l2, computed}); expected only a last line "
                                         "torn by a kill") from None
-                self._cut_torn(lines[:i])  # the torn last line: run it again
+                # the torn last line: cut it off and run it again
+                self._cut_torn(len("\n".join(lines[:i]).encode("utf-8", "surrogateescape")) + 1)
                 break
 
-    def _cut_torn(self, kept: list[str]) -> None:
-        with open(self.path, "w") as f:
-            f.write("\n".join(kept) + "\n")
+    def _cut_torn(self, keep: int) -> None:
+        """Truncate after the first `keep` bytes (the whole lines): the kept runs are never
+        rewritten."""
+        with open(self.path, "r+b") as f:
+            f.truncate(keep)
             f.flush()
             os.fsync(f.fileno())
+        self.torn = True
+
+    def resumed(self) -> str | None:
+        """The line a calibration prints when it takes runs from the file, else None."""
+        if not self.runs:
+            return None
+        return (f"resuming from {self.path}: {len(self.runs)} finished run(s) kept"
+                + (", a last line torn by a kill dropped (it runs again)" if self.torn else ""))
 
     def get(self, fields: dict, seed: int):
         found = self.runs.get(key(fields, seed))

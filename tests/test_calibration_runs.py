@@ -25,8 +25,15 @@ def test_runs_come_back_from_the_file_and_a_torn_last_line_runs_again(tmp_path):
     assert again.reused == 2
     with open(path, "a") as f:  # a kill in the middle of a line
         f.write('{"key": "[{\\"fbc')
+    inode, before = path.stat().st_ino, path.read_bytes()
+    assert again.resumed() == f"resuming from {path}: 2 finished run(s) kept"
     torn = RunMemo(str(path), IDENTITY)
     assert len(torn) == 2 and path.read_text().endswith("0.75}\n")
+    # cut in place (issue 62: rewriting the kept lines put all of them at risk of a kill)
+    assert path.stat().st_ino == inode and before.startswith(path.read_bytes())
+    assert torn.resumed().endswith("2 finished run(s) kept, a last line torn by a kill dropped "
+                                   "(it runs again)")
+    assert RunMemo(str(tmp_path / "new.jsonl"), IDENTITY).resumed() is None
     torn.add(FIELDS, 5, 0.1, 0.4)  # goes on after the cut, on its own line
     assert RunMemo(str(path), IDENTITY).get(FIELDS, 5) == (0.1, 0.4)
 
@@ -54,7 +61,7 @@ def _calibrate(tmp_path, runs, steps="12"):
                            "--runs", str(runs)])
 
 
-def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkeypatch):
+def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkeypatch, capsys):
     from sampling import budget
     monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
     runs = tmp_path / "runs.jsonl"
@@ -80,8 +87,10 @@ def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkey
         return counted
 
     monkeypatch.setattr(calibrate, "_runner", counting)
+    capsys.readouterr()
     assert _calibrate(tmp_path, runs) == 0
     assert len(sampled) == measured - 4
+    assert f"resuming from {runs}: 4 finished run(s) kept" in capsys.readouterr().err
     resumed = json.loads((tmp_path / "profile.json").read_text())["budget"]
     assert resumed == whole
     # finished: a third run samples nothing
