@@ -246,6 +246,10 @@ def resolve(args, given: tuple[dict, dict] | None = None) -> RunSpec:
         builtin = ", ".join(n for n, p in PIPELINES.items() if p.builtin is not None)
         raise UsageError(f"--model {pipe.name} has no built-in weights; give --model_path "
                          f"(or pick a model with built-in weights: {builtin})")
+    if args.model_path is not None and not os.path.exists(args.model_path):
+        # here, before stage 1 runs (minutes with real encoders), not at the first load
+        raise UsageError(f"--model_path {args.model_path} does not exist; expected the "
+                         f"checkpoint folder of {pipe.name}")
     prompt, encoder = _prompt(args, pipe, given)
     if args.num_clips is not None and pipe.task != "s2v":
         raise UsageError(f"--num_clips belongs to speech-to-video models; {pipe.name} samples one "

@@ -182,6 +182,9 @@ def test_a_bad_prompt_file_is_refused_before_any_model_work(tmp_path, capsys, li
     (["--prompt", "red circle moves right on blue", "--encoder_path", "/no/enc"],
      ("--encoder_path /no/enc",)),
     (["--prompt", "red circle moves right on blue", "--input_dir", "."], ("--input_dir",)),
+    # before stage 1 runs, not after it (issue 62: minutes with real encoders)
+    (["--prompt", "a cat walks", "--model", "wan2.2-ti2v-5b", "--model_path", "/no/such/ckpt"],
+     ("--model_path /no/such/ckpt does not exist",)),
     (["--prompt", "a man speaks", "--model", "wan-tiny-s2v"], ("--image: not given", "wan-tiny-s2v")),
 ])
 def test_bad_flags_are_refused_before_any_model_work(tmp_path, capsys, argv, needles):
