@@ -76,6 +76,11 @@ def test_a_scenes_model_trains_exports_and_runs_in_the_pareto_bench(tmp_path):
     info = json.loads((out / "training.json").read_text())
     assert info["recipe"] == "scenes" and info["sampling"]["solver"] == "euler"
     assert "scenes.py" in (out / "MODEL_CARD.md").read_text()
+    from bench.fixtures import evaluate
+    evaluate.main([str(out), "--card", "--n", "2"])  # the card's figures, the recipe's analyser
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "## At this export" in card and "| image to video (true first frame) |" in card
+    assert (out / "heldout_strip.png").is_file()
     with pytest.raises(SystemExit, match="no --start, --trail or --latent"):
         train.main(["--model", "tiny-wan-scenes", "--run_dir", str(run), "--start", "edge"])
 
