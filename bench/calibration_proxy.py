@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                     f"{ratio[-1 - len(ratio) // 10]:.2f} | {t_record:.2f} s | {t_replay:.2f} s |")
         print(rows[-1], flush=True)
     lines = ["# Calibrating static schedules from one uncached run per draw (open-loop replay)",
-             "", f"Reproduce: `python bench/calibration_proxy.py"
+             "", "Reproduce: `python bench/calibration_proxy.py"
              + (f" --checkpoint {args.checkpoint}" if args.checkpoint else "")
              + (f" --profile {os.path.relpath(args.profile, ROOT)}" if args.profile != PROFILE
                 else "") + f"` ({(time.perf_counter() - began) / 60:.1f} min; {machine()}). "
