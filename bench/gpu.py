@@ -362,8 +362,9 @@ def phase_jax(args) -> dict:
     pipe = get_pipeline(TINY if args.tiny else REAL)
     model = cast_model(build_model(pipe.experts[0][1], meta=True), torch.bfloat16)
     device = jax.devices()[0]
+    # the fused kernel runs only where there is a GPU: a CPU run (--tiny) reports false
     out = {"device": device.device_kind, "attention": None, "sizes": {},
-           "fused_attention_on_gpu": attention.fused_on_gpu}
+           "fused_attention_on_gpu": attention.fused_on_gpu and device.platform == "gpu"}
     for label, size in sizes(args.tiny).items():
         shape = pipe.latent_shape(*size.pixels)
         tensors = pipe.synthesize(shape, True, False, SEED)
@@ -586,6 +587,11 @@ def main(argv=None) -> int:
     if "error" in smoke:
         print("[bench.gpu] the smoke phase failed: nothing written", file=sys.stderr)
     print(json.dumps(verdicts(results), indent=1))
+    for label in results["phases"].get("jax", {}).get("sizes", {}):
+        for key, share in under_ideal(results, label):
+            print(f"[bench.gpu] {label}: {key} at {share:.0%} of its schedule ideal"
+                  + (" (a CPU run: --tiny times the CPU, not a GPU)" if args.tiny else ""),
+                  file=sys.stderr)
     return 0 if "error" not in smoke and all(
         "error" not in p for p in results["phases"].values()) else 1
 
@@ -601,11 +607,22 @@ def verdicts(results: dict) -> dict:
         theirs = rows.get("diffusers none")
         out[f"{label}: our JAX step within 1.15x of diffusers'"] = \
             None if theirs is None else rows["jax none"]["step_s"] <= 1.15 * theirs["step_s"]
-        shares = [speedup(rows, key) / r["ideal"] for key, r in rows.items()
-                  if not key.endswith(" none")]
-        if shares:
-            out[f"{label}: every cached run at least 90% of its schedule ideal"] = min(shares) >= 0.9
+        if any(not key.endswith(" none") for key in rows):
+            out[f"{label}: every cached run at least 90% of its schedule ideal"] = \
+                not under_ideal(results, label)
     return out
+
+
+IDEAL_SHARE = 0.9  # a cached run's measured speedup over its schedule's ideal, at least
+
+
+def under_ideal(results: dict, label: str) -> list[tuple[str, float]]:
+    """The cached runs at one size whose measured speedup is under IDEAL_SHARE of their
+    schedule's ideal, with their share: what a failed verdict names."""
+    rows = timed(results, label)
+    shares = [(key, speedup(rows, key) / r["ideal"]) for key, r in rows.items()
+              if not key.endswith(" none")]
+    return [(key, share) for key, share in shares if share < IDEAL_SHARE]
 
 
 def timed(results: dict, label: str) -> dict:

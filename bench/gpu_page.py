@@ -38,9 +38,18 @@ def lines(results: dict | None, plan: dict) -> list[str]:
     else:
         out += _measured(results)
         out += ["", "## Targets", "", "| target | met |", "|---|---|"]
-        out += [f"| {k} | {'-' if v is None else 'yes' if v else 'no'} |"
+        out += [f"| {k} | {'-' if v is None else 'yes' if v else 'no'}{_under(results, k, v)} |"
                 for k, v in verdicts(results).items()]
     return out + [""] + _plan(plan)
+
+
+def _under(results: dict, key: str, met) -> str:
+    """A failed 90%-of-ideal verdict names its runs."""
+    from bench.gpu import under_ideal
+    if met is not False or "schedule ideal" not in key:
+        return ""
+    runs = under_ideal(results, key.split(":", 1)[0])
+    return " (" + ", ".join(f"{k} {share:.0%}" for k, share in runs) + ")"
 
 
 def _measured(results: dict) -> list[str]:

@@ -66,6 +66,24 @@ def test_tiny_mode_runs_every_phase_on_the_cpu_and_writes_the_page(tiny):
     assert "Not run yet" not in page
     verdicts = json.loads(done.stdout[done.stdout.index("{"):])
     assert verdicts["latents agree with the CPU (both backends)"] is True
+    # issue 62: no fused kernel on a CPU run, and a missed 90%-of-ideal verdict names its runs
+    assert results["phases"]["jax"]["fused_attention_on_gpu"] is False
+    for key, met in verdicts.items():
+        if "schedule ideal" in key and met is False:
+            named = gpu.under_ideal(results, key.split(":", 1)[0])
+            assert named and all(f"{k} at " in done.stderr for k, _ in named), done.stderr
+            assert f"| {key} | no ({named[0][0]} " in page
+
+
+def test_a_run_under_its_schedule_ideal_is_named():
+    from bench.gpu_page import _under
+    runs = {"none": {"wall_s": 1.0, "ideal": 1.0}, "deepcache": {"wall_s": 0.9, "ideal": 1.5},
+            "teacache": {"wall_s": 0.5, "ideal": 2.0}}
+    results = {"phases": {"jax": {"sizes": {"tiny": {"runs": runs}}}}}
+    assert gpu.under_ideal(results, "tiny") == [("jax deepcache", pytest.approx(1 / 0.9 / 1.5))]
+    key = "tiny: every cached run at least 90% of its schedule ideal"
+    assert gpu.verdicts(results)[key] is False
+    assert _under(results, key, False) == " (jax deepcache 74%)" and _under(results, key, True) == ""
 
 
 def test_without_a_gpu_the_smoke_phase_stops_the_command_and_nothing_is_written(tmp_path):
