@@ -408,10 +408,10 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
             computed = sum(v["computed"] for v in report["branches"].values())
             calls = computed + sum(v["reused"] for v in report["branches"].values())
             _say(writer, f"[{i + 1}/{n}] stage 2 {t['stage_seconds']:.2f} s  computed "
-                         f"{computed}/{calls} calls, speedup "
-                         f"{report['speedup']['estimated'] or 0:.2f}x (ideal "
-                         f"{report['speedup']['schedule_ideal']:.2f}x), compiles warm-up "
+                         f"{computed}/{calls} calls, {speedup_text(report)}, compiles warm-up "
                          f"{_lowered(c['warmup'])} loop {_lowered(c['loop'])}")
+            for warning in report.get("warnings", ()):  # slower than uncached, and the like
+                _say(writer, f"[{i + 1}/{n}] warning: {warning}")
         if job.state != DONE and writer:
             out = decode(job)
             # on JAX stage 3's counts (prepare, loop, process: `compiled` is what the persistent
@@ -481,13 +481,25 @@ def _lowered(counts) -> str:
     return "-" if counts is None else str(counts["lowered"])
 
 
+def speedup_text(r: dict) -> str:
+    """A prompt's speedup as the console shows it: measured against the uncached run and its
+    PSNR where --compare ran one (issue 62: the estimate alone read 1.26x where the loops took
+    0.95x), else the estimate; the schedule ideal beside."""
+    ideal = r["speedup"]["schedule_ideal"]
+    if "compare" in r:
+        c = r["compare"]
+        return (f"speedup {c['speedup']:.2f}x measured against uncached (estimated "
+                f"{r['speedup']['estimated'] or 0:.2f}x, schedule ideal {ideal:.2f}x), PSNR "
+                f"{c['psnr_db']:.1f} dB")
+    return f"speedup {r['speedup']['estimated'] or 0:.2f}x estimated (schedule ideal {ideal:.2f}x)"
+
+
 def format_summary(report: dict) -> str:
     lines = [f"generate: {report['model']}  {len(report['prompts'])} prompt(s) in "
              f"{report['seconds']:.1f} s"]
     for prompt, video, state, r in zip(report["prompts"], report["videos"], report["states"],
                                        report["stage2"], strict=True):
-        how = (f"speedup {r['speedup']['estimated'] or 0:.2f}x (schedule ideal "
-               f"{r['speedup']['schedule_ideal']:.2f}x)" if r is not None else
+        how = (speedup_text(r) if r is not None else
                "skipped: made by an earlier run" if state == DONE else
                "decoded from an earlier run's latents")
         lines.append(f"  {video}  {prompt!r}  {how}")

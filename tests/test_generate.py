@@ -100,16 +100,29 @@ def test_three_prompts_compile_the_stage2_programs_once(tmp_path):
         assert cmp["loop_compiles_uncached"]["lowered"] == 0, (folder, cmp)
 
 
-def test_compare_into_a_relative_output_dir(tmp_path, monkeypatch):
+def test_compare_into_a_relative_output_dir(tmp_path, monkeypatch, capsys):
     """--compare with a relative --output_dir, as a user types it: the stage folder's journal
-    names the report folder in full and the stage folder relatively; both are one place."""
+    names the report folder in full and the stage folder relatively; both are one place. The
+    console shows the measured speedup and PSNR, not the estimate alone (issue 62)."""
     monkeypatch.chdir(tmp_path)
     args = generate_cmd.build_parser().parse_args(
         ["--prompt", README_PROMPT, "--enable_cache", "--compare", "--output_dir", "videos"])
-    generate_cmd.run(args)
+    report = generate_cmd.run(args)
+    err = capsys.readouterr().err
+    measured = report["stage2"][0]["compare"]["speedup"]
+    assert f"speedup {measured:.2f}x measured against uncached (estimated " in err
+    assert "dB" in err.split("measured against uncached")[1].split("\n")[0]
     for name in (VIDEO, generate_cmd.UNCACHED_VIDEO, generate_cmd.STRIP):
         assert (tmp_path / "videos" / name).is_file(), name
     assert not [p.name for p in (tmp_path / "videos").iterdir() if p.name.startswith(".")]
+
+
+def test_the_console_speedup_is_the_measured_one_where_compare_ran():
+    r = {"speedup": {"estimated": 1.26, "schedule_ideal": 1.46}}
+    assert generate_cmd.speedup_text(r) == "speedup 1.26x estimated (schedule ideal 1.46x)"
+    r["compare"] = {"speedup": 0.95, "psnr_db": 38.24}
+    assert generate_cmd.speedup_text(r) == ("speedup 0.95x measured against uncached (estimated "
+                                            "1.26x, schedule ideal 1.46x), PSNR 38.2 dB")
 
 
 def test_stage1_writes_what_stage2_reads(tmp_path):
