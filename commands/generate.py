@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "a tiny random VAE)")
     g.add_argument("--fps", type=float, help="frames per second (default: the model's)")
     stage2.add_arguments(parser)
+    for action in parser._actions:  # stage 2's flag, which writes elsewhere when run alone
+        if action.dest == "output_dir":
+            action.help = ("where the videos go: the folder itself for one prompt, one numbered "
+                           "subfolder a prompt for --prompts (default ./outputs)")
     return parser
 
 

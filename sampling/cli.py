@@ -159,7 +159,8 @@ class CommandParser(argparse.ArgumentParser):
         return self.sections.get(title, "advanced")
 
     def format_help(self) -> str:
-        width = min(shutil.get_terminal_size((100, 24)).columns, 120)
+        # the terminal's whole width (COLUMNS=250 shows 250), 100 where it cannot be read
+        width = max(shutil.get_terminal_size((100, 24)).columns, 40)
         by_section: dict[str, list[str]] = {s: [] for s in SECTIONS}
         hidden = 0
         for group in self._action_groups:

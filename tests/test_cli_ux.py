@@ -139,6 +139,17 @@ def test_an_unknown_flag_is_named_with_the_nearest_one(capsys, argv, hint):
     assert (hint in err) if hint else "did you mean" not in err
 
 
+def test_help_takes_the_whole_width_of_the_terminal(capsys, monkeypatch):
+    """Issue 62: --help cut its lines at 120 columns with COLUMNS=250; generate.py's
+    --output_dir said ./stage_outputs where it writes ./outputs."""
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    assert 120 < max(map(len, lines)) <= 250
+    assert any("--output_dir" in line and "(default ./outputs)" in line for line in lines)
+
+
 def test_an_unknown_model_or_word_is_named_with_the_nearest_known_one():
     from encoders.word_table import WordTable
     from sampling.pipelines import get_pipeline
