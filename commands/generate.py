@@ -382,6 +382,9 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
         if job.state in (DONE, DECODE) or (job.state == SAMPLE and writer):
             continue
         t0 = time.perf_counter()
+        # a line before the work too: stage 1 runs seconds (tiny S2V) to minutes with nothing
+        # else on the screen (issue 62)
+        _say(writer, f"[{i + 1}/{n}] stage 1 encoding {shown(job.request.prompt)} ...")
         tensors, metadata, config = stage1.encode(pipe, job.request, settings.encoder_path,
                                                   settings.encoder_device)
         config[REQUEST] = job.id
@@ -417,6 +420,7 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
             for warning in report.get("warnings", ()):  # slower than uncached, and the like
                 _say(writer, f"[{i + 1}/{n}] warning: {warning}")
         if job.state != DONE and writer:
+            _say(writer, f"[{i + 1}/{n}] stage 3 decoding into {job.folder} ...")
             out = decode(job)
             # on JAX stage 3's counts (prepare, loop, process: `compiled` is what the persistent
             # cache did not serve), as stage 2's; none on torch

@@ -109,6 +109,11 @@ def test_compare_into_a_relative_output_dir(tmp_path, monkeypatch, capsys):
         ["--prompt", README_PROMPT, "--enable_cache", "--compare", "--output_dir", "videos"])
     report = generate_cmd.run(args)
     err = capsys.readouterr().err
+    # each stage says when it starts, not only when it ends (issue 62)
+    lines = err.splitlines()
+    starts = [k for k, line in enumerate(lines) if "stage 1 encoding" in line]
+    assert starts and "stage 1 " in lines[starts[0] + 1]
+    assert any("stage 3 decoding into videos ..." in line for line in lines)
     measured = report["stage2"][0]["compare"]["speedup"]
     assert f"speedup {measured:.2f}x measured against uncached (estimated " in err
     assert "dB" in err.split("measured against uncached")[1].split("\n")[0]
