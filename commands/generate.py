@@ -299,7 +299,7 @@ def run(args) -> dict:
         check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO)
                        + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
         try:
-            stage1.check(pipe, request, args.encoder_path)
+            stage1.check(pipe, request, args.encoder_path, args.random_encoders)
         except EncoderInputError as exc:
             if exc.name not in ("--prompt", "--negative_prompt"):
                 raise
@@ -432,7 +432,8 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
             "videos": [os.path.join(j.folder, VIDEO) for j in jobs] if writer else [],
             "states": [j.state for j in jobs], "stage2": [j.report for j in jobs],
             "stage3": [j.decode for j in jobs],
-            "seconds": time.perf_counter() - began, "writer": writer}
+            "seconds": time.perf_counter() - began, "writer": writer,
+            "random_encoders": stage1.random_encoders_used(pipe, args)}
 
 
 class _Decoder:
@@ -505,6 +506,8 @@ def speedup_text(r: dict) -> str:
 def format_summary(report: dict) -> str:
     lines = [f"generate: {report['model']}  {len(report['prompts'])} prompt(s) in "
              f"{report['seconds']:.1f} s"]
+    if report.get("random_encoders"):
+        lines.append(stage1.RANDOM_NOTE)
     for prompt, video, state, r in zip(report["prompts"], report["videos"], report["states"],
                                        report["stage2"], strict=True):
         how = (speedup_text(r) if r is not None else

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sizes: bool = True) -> Non
                    "random encoders")
     g = parser.add_argument_group("advanced")
     g.add_argument("--encoder_device", default="cpu", help="where the encoders run (default cpu)")
+    g.add_argument("--random_encoders", action="store_true",
+                   help="a real model without --encoder_path: encode with tiny random encoders "
+                   "anyway (its video is noise; for trying the commands without the release)")
     if sizes:
         g = parser.add_argument_group("inputs and model")
         g.add_argument("--model", default=None, help=f"named pipeline, one of {', '.join(PIPELINES)} "
@@ -88,7 +91,12 @@ def pipeline_of(args):
         raise UsageError(f"--model: {exc}") from None
 
 
-def check(pipe, request: Request, weights) -> None:
+def check(pipe, request: Request, weights, random_encoders: bool = False) -> None:
+    if weights is None and pipe.builtin is None and pipe.encoders is None and not random_encoders:
+        # a real model's prompt through tiny random encoders is a video of noise (issue 62)
+        raise UsageError(f"--encoder_path: not given; {pipe.name} would encode the prompt with "
+                         "tiny random encoders and its video would be noise; expected the "
+                         "release folder holding its encoders, or --random_encoders to mean it")
     if weights is not None and not os.path.isdir(weights):
         raise UsageError(f"--encoder_path {weights} is not a directory; expected the release "
                          "folder holding the encoders")
@@ -114,18 +122,29 @@ def run(args) -> dict:
     pipe = pipeline_of(args)
     request = request_of(args, args.prompt)
     check_writable(args.output_dir, "--output_dir", (EMBEDDINGS, CONFIG))
-    check(pipe, request, args.encoder_path)
+    check(pipe, request, args.encoder_path, args.random_encoders)
     with one_writer(args.output_dir):
         tensors, metadata, config = encode(pipe, request, args.encoder_path, args.encoder_device)
         outputs = write_stage(args.output_dir, tensors, EMBEDDINGS, metadata, config)
     return {"model": pipe.name, "prompt": request.prompt, "outputs": outputs,
-            "tensors": {k: list(v.shape) for k, v in tensors.items()}}
+            "tensors": {k: list(v.shape) for k, v in tensors.items()},
+            "random_encoders": random_encoders_used(pipe, args)}
+
+
+def random_encoders_used(pipe, args) -> bool:
+    """A real model encoded by tiny random encoders (--random_encoders): the summary says so."""
+    return pipe.builtin is None and pipe.encoders is None and args.encoder_path is None
+
+
+RANDOM_NOTE = ("encoders: TINY RANDOM (--random_encoders, no --encoder_path): the embeddings, and "
+               "the video made from them, show no prompt")
 
 
 def format_summary(report: dict) -> str:
     shapes = ", ".join(f"{k} {v}" for k, v in report["tensors"].items())
     return (f"stage 1: {report['model']}  {report['prompt']!r}\n  {shapes}\n"
-            f"wrote {', '.join(report['outputs'].values())}")
+            + (f"{RANDOM_NOTE}\n" if report.get("random_encoders") else "")
+            + f"wrote {', '.join(report['outputs'].values())}")
 
 
 main = command(build_parser, run, format_summary, ERRORS)

@@ -145,6 +145,19 @@ def test_stage1_writes_what_stage2_reads(tmp_path):
     assert not tensors["negative_prompt_embeds"].any()  # the empty prompt of CFG training
 
 
+def test_a_real_model_on_random_encoders_says_so(tmp_path, capsys):
+    """Issue 62: `--model wan2.2-ti2v-5b` without --encoder_path encoded with tiny random
+    encoders in silence; now only with --random_encoders, and the summary says so."""
+    assert stage1_encode.main(["--model", "wan2.2-ti2v-5b", "--prompt", "a cat on a sofa",
+                               "--random_encoders", "--output_dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "encoders: TINY RANDOM (--random_encoders, no --encoder_path)" in out
+    assert stage1_encode.main(["--model", "wan2.2-ti2v-5b", "--prompt", "a cat on a sofa",
+                               "--output_dir", str(tmp_path / "no")]) == 2
+    assert "--random_encoders to mean it" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
+
+
 def test_stage1_tiny_random_encoders_feed_stage2(tmp_path):
     """The tiny random pipelines' stage 1 goes through the real encoders' code (no hub)."""
     from commands import stage2
@@ -201,8 +214,12 @@ def test_a_bad_prompt_file_is_refused_before_any_model_work(tmp_path, capsys, li
      ("--encoder_path /no/enc",)),
     (["--prompt", "red circle moves right on blue", "--input_dir", "."], ("--input_dir",)),
     # before stage 1 runs, not after it (issue 62: minutes with real encoders)
-    (["--prompt", "a cat walks", "--model", "wan2.2-ti2v-5b", "--model_path", "/no/such/ckpt"],
-     ("--model_path /no/such/ckpt does not exist",)),
+    (["--prompt", "a cat walks", "--model", "wan2.2-ti2v-5b", "--model_path", "/no/such/ckpt",
+      "--random_encoders"], ("--model_path /no/such/ckpt does not exist",)),
+    # a real model without its encoders: refused unless random encoders are asked for (issue 62)
+    (["--prompt", "a cat walks", "--model", "wan2.2-ti2v-5b", "--model_path", "."],
+     ("--encoder_path: not given; wan2.2-ti2v-5b would encode the prompt with tiny random "
+      "encoders and its video would be noise", "--random_encoders to mean it")),
     (["--prompt", "a man speaks", "--model", "wan-tiny-s2v"], ("--image: not given", "wan-tiny-s2v")),
 ])
 def test_bad_flags_are_refused_before_any_model_work(tmp_path, capsys, argv, needles):
