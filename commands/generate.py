@@ -331,7 +331,8 @@ def run(args) -> dict:
         enable_compile_cache(cache_dir_of(args.compile_cache_dir))
     writer = stage2.backend_writer(args.multihost)
     with one_writer(_root(args.output_dir)) if writer else contextlib.nullcontext():
-        return _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer)
+        report = _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer)
+    return {**report, "random_encoders": stage1.random_encoders_used(pipe, args)}
 
 
 _PER_CALL = ("trace", "histograms", "summary")
@@ -347,6 +348,19 @@ class Settings:
     encoder_path: str | None
     encoder_device: str | None
     vae_path: str | None
+
+
+def own_config(job: "Job", what: str) -> dict:
+    """The folder's stage config, read back before its files are used: refused where another
+    request's run wrote into the folder after this job checked it (issue 62: the batch then
+    published that run's video as its own prompt's)."""
+    config = read_config(job.folder)
+    if config.get(REQUEST) != job.id:
+        raise StageFileError(f"--output_dir {job.folder}: its {what} are another request's (a "
+                             "run outside this batch wrote into the folder while it ran); "
+                             "expected this batch's own: nothing of that prompt is published, "
+                             "run the batch again to redo it")
+    return config
 
 
 class Job:
@@ -402,7 +416,7 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
     for i, job in enumerate(jobs):
         if job.state in (SAMPLE, ENCODE):
             given = job.given or (read_tensors(os.path.join(job.folder, EMBEDDINGS))[0],
-                                  read_config(job.folder))
+                                  own_config(job, EMBEDDINGS))
             spec = job.resolve(given)
             opened = None
             if backend is None:
@@ -432,8 +446,7 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -
             "videos": [os.path.join(j.folder, VIDEO) for j in jobs] if writer else [],
             "states": [j.state for j in jobs], "stage2": [j.report for j in jobs],
             "stage3": [j.decode for j in jobs],
-            "seconds": time.perf_counter() - began, "writer": writer,
-            "random_encoders": stage1.random_encoders_used(pipe, args)}
+            "seconds": time.perf_counter() - began, "writer": writer}
 
 
 class _Decoder:
@@ -449,6 +462,7 @@ class _Decoder:
         warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
 
     def __call__(self, job: Job) -> dict:
+        own_config(job, LATENTS)  # never a video of another request's latents
         decode_args = copy.copy(self.stage3_args)
         decode_args.input_dir = job.folder
         r3 = stage3.resolve(decode_args)

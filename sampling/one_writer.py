@@ -3,7 +3,11 @@ second run into the same folder is refused up front, naming the folder and the r
 
 The hold is an flock on a lock file in the folder, so a killed run holds nothing: the kernel
 drops its lock with its last file descriptor, and the next run takes the folder over. The file
-names the holder (pid, host, command) for the refusal, and is removed when the run ends."""
+names the holder (pid, host, command) for the refusal, and is removed when the run ends.
+
+A batch (`generate.py --prompts`) writes numbered subfolders of the folder it holds, so the
+hold covers the folder's whole tree: a run into a folder below one another run holds is refused
+too (it would write over a prompt of the batch)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import time
 from .stage_io import StageFileError
 
 LOCK = ".writer.lock"
+_HELD: set[str] = set()  # the folders this process holds (a batch writes below its own)
 
 
 def _holder(path: str) -> str:
@@ -49,11 +54,42 @@ def _open_locked(path: str) -> int | None:
         os.close(fd)
 
 
+def _held_above(folder: str) -> tuple[str, str] | None:
+    """(an ancestor of `folder` that another live run holds, its holder), or None."""
+    up = os.path.dirname(os.path.abspath(folder))
+    while True:
+        if up in _HELD:  # this process's own batch
+            return None
+        path = os.path.join(up, LOCK)
+        if os.path.exists(path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                fd = None
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return up, _holder(path)
+                finally:
+                    os.close(fd)  # a shared lock taken only to look: dropped at once
+        parent = os.path.dirname(up)
+        if parent == up:
+            return None
+        up = parent
+
+
 @contextlib.contextmanager
 def one_writer(folder: str, flag: str = "--output_dir"):
     """Hold `folder` (made if missing) for the block; StageFileError if another live run holds
     it. Folders it made are removed again if the run leaves them empty (a run that fails
     leaves nothing behind)."""
+    above = _held_above(folder)
+    if above is not None:
+        raise StageFileError(f"{flag} {folder} is inside {above[0]}, which another run is "
+                             f"writing ({above[1]}); expected one run per output folder and the "
+                             "folders below it: wait for that run to end, or give a folder "
+                             "outside it")
     made, up = [], os.path.abspath(folder)
     while not os.path.exists(up):
         made.append(up)
@@ -78,9 +114,12 @@ def one_writer(folder: str, flag: str = "--output_dir"):
         os.pwrite(fd, json.dumps(who).encode(), 0)
     except OSError:
         pass  # the name is for the refusal's message only; the lock holds without it
+    held = os.path.abspath(folder)
+    _HELD.add(held)
     try:
         yield
     finally:
+        _HELD.discard(held)
         with contextlib.suppress(OSError):
             os.unlink(path)  # while still held: a run waiting on it retries on the new file
         os.close(fd)

@@ -18,7 +18,7 @@ import pytest
 from commands import generate, stage1, stage2
 from commands.generate import DECODE, DONE, ENCODE, SAMPLE, folder_state
 from sampling.one_writer import LOCK, one_writer
-from sampling.stage_io import CONFIG, VIDEO, read_config
+from sampling.stage_io import CONFIG, LATENTS, VIDEO, StageFileError, read_config
 from tests.test_refusals import refused
 from tests.test_stage3 import read_video
 
@@ -186,6 +186,43 @@ def test_a_second_writer_into_a_folder_is_refused_and_a_killed_ones_hold_taken_o
     assert generate.main(["--prompt", PROMPTS[0], "--output_dir", str(out), *FLAGS]) == 0
     assert sorted(os.listdir(out)) == sorted([CONFIG, VIDEO, "stage1_embeddings.safetensors",
                                               "stage2_latents.safetensors"])
+
+
+def test_a_run_into_a_subfolder_of_a_running_batch_is_refused(tmp_path, capsys):
+    """Issue 62: `generate.py --output_dir conc/010` beside a batch writing conc was let in, and
+    the batch then published that run's video as its own prompt's. The batch's hold covers its
+    folder's tree; a batch still writes its own subfolders."""
+    out = tmp_path / "conc"
+    holder = _holder(out)
+    try:
+        refused(generate.main, ["--prompt", PROMPTS[0], "--output_dir", str(out / "010"),
+                                *FLAGS], capsys, f"--output_dir {out / '010'} is inside {out}, "
+                "which another run is writing", f"pid {holder.pid}")
+        assert os.listdir(out) == [LOCK]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with one_writer(str(out)):  # this process's own hold: its subfolders are its own to write
+        with one_writer(str(out / "010")):
+            pass
+
+
+def test_a_prompt_whose_folder_another_request_wrote_is_not_published(tmp_path):
+    """Checked on read-back, not only at start: the embeddings or latents a batch reads back
+    must carry its own request id."""
+    folder = tmp_path / "010"
+    folder.mkdir()
+    (folder / CONFIG).write_text(json.dumps({generate.REQUEST: "someone-else"}))
+
+    class Job:
+        pass
+    job = Job()
+    job.folder, job.id = str(folder), "mine"
+    with pytest.raises(StageFileError, match="its stage2_latents.safetensors are another "
+                                             "request's .* nothing of that prompt is published"):
+        generate.own_config(job, LATENTS)
+    job.id = "someone-else"
+    assert generate.own_config(job, LATENTS)[generate.REQUEST] == "someone-else"
 
 
 def test_a_hold_ends_with_its_run_and_leaves_no_folder_it_made_empty(tmp_path):
