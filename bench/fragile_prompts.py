@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.pareto import BUDGETS  # noqa: E402
+from bench.pareto_budget import BUDGETS  # noqa: E402
 from bench.pareto_workload import (  # noqa: E402
     CONFIRM_FIRST,
     CONFIRM_SEEDS,

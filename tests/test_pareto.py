@@ -229,29 +229,29 @@ def test_budget_draws_never_meet_an_evaluated_draw(count):
 def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
     # bench/pareto.py keeps its calibration's finished runs beside the page until the page is
     # written, so a page killed after hours of calibration resumes (commands/calibration_runs.py)
-    from bench import pareto
+    from bench import pareto_budget
     from commands import calibrate
     from sampling import budget
     from tests.test_calibrate import SMALL_SPACE
 
     monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE[:2])
     wl = workload("wan", steps=3)
-    runs = pareto.runs_path(str(tmp_path), "wan")
-    first = pareto.budget_profile(wl, str(tmp_path / "profile.json"), runs=runs)
+    runs = pareto_budget.runs_path(str(tmp_path), "wan")
+    first = pareto_budget.budget_profile(wl, str(tmp_path / "profile.json"), runs=runs)
     with open(runs) as f:
         assert len(f.read().splitlines()) == 1 + 2 * len(pw.BUDGET_SEEDS)
     def sampled_again(*_, **__):
         pytest.fail("a run the runs file holds was sampled again")
     monkeypatch.setattr(calibrate, "_runner", lambda *_, **__: sampled_again)
-    assert pareto.budget_profile(wl, str(tmp_path / "again.json"), runs=runs) == first
+    assert pareto_budget.budget_profile(wl, str(tmp_path / "again.json"), runs=runs) == first
 
 
 def test_a_quick_page_says_it_is_no_result_and_shows_what_one_flag_gives(tmp_path):
     """The whole bench in quick mode on a 2-block random model (about 20 s): the page says it is
     not a result, carries the presets as a curve and the one-flag standing in both aggregations,
     and the promises of budgeted mode with their bounds."""
-    from bench import pareto
-    assert pareto.SPEEDUPS["trained"] == pareto.SPEEDUPS["random"]  # one grid, declared up front
+    from bench import pareto, pareto_budget
+    assert pareto_budget.SPEEDUPS["trained"] == pareto_budget.SPEEDUPS["random"]  # one grid
     assert pareto.main(["--quick", "--families", "wan", "--steps", "6", "--blocks", "2",
                         "--out", str(tmp_path)]) == 0
     page = (tmp_path / "README.md").read_text()
