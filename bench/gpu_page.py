@@ -25,7 +25,7 @@ def write(folder: Path, results: dict | None, plan: dict) -> None:
 
 
 def lines(results: dict | None, plan: dict) -> list[str]:
-    from bench.gpu import verdicts
+    from bench.gpu_verdicts import verdicts
     out = ["# On a GPU: the JAX and torch backends at real size, beside diffusers", ""]
     if results is None:
         out += ["**Not run yet**: no GPU has been lent to this project's sessions. Nothing on this "
@@ -45,7 +45,7 @@ def lines(results: dict | None, plan: dict) -> list[str]:
 
 def _under(results: dict, key: str, met) -> str:
     """A failed 90%-of-ideal verdict names its runs."""
-    from bench.gpu import under_ideal
+    from bench.gpu_verdicts import under_ideal
     if met is not False or "schedule ideal" not in key:
         return ""
     runs = under_ideal(results, key.split(":", 1)[0])
@@ -53,8 +53,8 @@ def _under(results: dict, key: str, met) -> str:
 
 
 def _measured(results: dict) -> list[str]:
-    from bench.gpu import speedup as gpu_speedup
-    from bench.gpu import timed
+    from bench.gpu_verdicts import speedup as gpu_speedup
+    from bench.gpu_verdicts import timed
     phases = results["phases"]
     smoke = phases.get("smoke", {})
     out = [f"- date: {results['date']}; command: `python -m bench.gpu{' --tiny' if results['tiny'] else ''}`",

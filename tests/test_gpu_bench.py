@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import gpu
+from bench import gpu, gpu_verdicts
 from modules.registry import build_model
 from sampling.pipelines import get_pipeline
 
@@ -70,7 +70,7 @@ def test_tiny_mode_runs_every_phase_on_the_cpu_and_writes_the_page(tiny):
     assert results["phases"]["jax"]["fused_attention_on_gpu"] is False
     for key, met in verdicts.items():
         if "schedule ideal" in key and met is False:
-            named = gpu.under_ideal(results, key.split(":", 1)[0])
+            named = gpu_verdicts.under_ideal(results, key.split(":", 1)[0])
             assert named and all(f"{k} at " in done.stderr for k, _ in named), done.stderr
             assert f"| {key} | no ({named[0][0]} " in page
 
@@ -80,9 +80,9 @@ def test_a_run_under_its_schedule_ideal_is_named():
     runs = {"none": {"wall_s": 1.0, "ideal": 1.0}, "deepcache": {"wall_s": 0.9, "ideal": 1.5},
             "teacache": {"wall_s": 0.5, "ideal": 2.0}}
     results = {"phases": {"jax": {"sizes": {"tiny": {"runs": runs}}}}}
-    assert gpu.under_ideal(results, "tiny") == [("jax deepcache", pytest.approx(1 / 0.9 / 1.5))]
+    assert gpu_verdicts.under_ideal(results, "tiny") == [("jax deepcache", pytest.approx(1 / 0.9 / 1.5))]
     key = "tiny: every cached run at least 90% of its schedule ideal"
-    assert gpu.verdicts(results)[key] is False
+    assert gpu_verdicts.verdicts(results)[key] is False
     assert _under(results, key, False) == " (jax deepcache 74%)" and _under(results, key, True) == ""
 
 
@@ -152,7 +152,7 @@ def test_a_timing_phase_cut_off_leaves_the_other_phases_figures_on_the_page(tiny
     assert "phase jax FAILED (230 s): `timed out after 230 s`" in page
     assert "## tiny: per-step time" in page and "| torch eager deepcache |" in page
     assert "| jax none |" not in page
-    assert gpu.verdicts(results)["latents agree with the CPU (both backends)"] is True
+    assert gpu_verdicts.verdicts(results)["latents agree with the CPU (both backends)"] is True
 
 
 def test_held_out_weights_come_back_from_history(tmp_path):
