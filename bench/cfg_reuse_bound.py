@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.fixtures import families as F  # noqa: E402
+from bench.fixtures.evaluate import lincomb  # noqa: E402
 from bench.page import machine, write_section  # noqa: E402
 from bench.pareto_workload import FOLLOW_SEEDS, build_workload, trained_families  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
@@ -120,12 +121,6 @@ def sample(wl, seed, cond_steps, uncond_steps, gap=None):
     every = set(range(steps))
     cs = every if cond_steps is None else set(cond_steps)
     us = every if uncond_steps is None else set(uncond_steps)
-
-    def lincomb(terms):
-        out = terms[0][0] * terms[0][1]
-        for w, v in terms[1:]:
-            out = out + w * v
-        return out
 
     for i, t in enumerate(sched.timesteps):
         tt = torch.full((1,), float(t))
