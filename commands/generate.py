@@ -21,7 +21,11 @@ unless a line gives its own).
 A rerun of the same command resumes: each stage's config records its prompt's request id
 (`request_id`), and a prompt whose folder holds the video of the same request is skipped, one
 with its latents is decoded, one with its embeddings sampled; `--overwrite` redoes every prompt.
-One run writes into the output folder at a time (`sampling.one_writer`).
+One run writes into the output folder at a time (`sampling.one_writer`), except the workers of
+one batch: the same `--prompts` command run by several processes, or by several hosts or slices
+sharing --output_dir, shares the list by per-prompt claims (`commands.batch`, `sampling.claims`):
+each prompt made by one worker, a dead worker's prompt taken over, each worker's summary its own
+and `index.json` in the folder the whole list's.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from encoders.request import EncoderInputError
-from sampling.cli import CommandParser, UsageError, as_int, command
+from sampling.claims import CLAIMS, LEASE, Claims
+from sampling.cli import CommandParser, UsageError, as_int, as_number, command
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE
 from sampling.run_spec import DEFAULT_SEED, RunSpec, from_flags
@@ -63,7 +68,7 @@ from sampling.stage_io import (
     write_stage,
 )
 
-from . import stage1, stage2, stage3
+from . import batch, stage1, stage2, stage3
 
 ERRORS = (*stage1.ERRORS, *stage2.ERRORS, *stage3.ERRORS)
 LINE_KEYS = ("prompt", "negative_prompt", "image", "audio", "seed")
@@ -83,7 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{', '.join(LINE_KEYS)}")
     g.add_argument("--overwrite", action="store_true",
                    help="redo every prompt (default: a rerun skips the prompts whose folder holds "
-                   "the video of the same request, and resumes those with latents or embeddings)")
+                   "the video of the same request, and resumes those with latents or embeddings;"
+                   " with several workers, start only the first with it)")
+    g.add_argument("--claims_dir", help="where the workers of a --prompts batch keep their "
+                   f"per-prompt claims (default: {CLAIMS} in --output_dir); it needs an atomic "
+                   "exclusive create (local disk, NFS v3+, Lustre), which a bucket mount may not "
+                   "give: see docs/tpu.md")
+    g.add_argument("--claim_lease", type=float, default=LEASE,
+                   help="seconds without a heartbeat after which another host's worker is taken "
+                   f"for dead and its prompt taken over (default {LEASE:.0f}; on one host a dead "
+                   "worker is seen at once)")
     stage1.add_arguments(parser, sizes=False)
     g = parser.add_argument_group("stage 3")
     g.add_argument("--vae_path", help="the VAE checkpoint (default: the model's built-in one, or "
@@ -189,11 +203,12 @@ REQUEST = "request_id"  # in every stage's generation_config.json: the request t
 # what a prompt still needs, from least to most work
 DONE, DECODE, SAMPLE, ENCODE = "done", "decode", "sample", "encode"
 STATES = (DONE, DECODE, SAMPLE, ENCODE)
+OTHER = "other"  # made by another worker of the batch while this one ran
 # flags that change no output: where files go, what is printed, how the run is launched
 _NOT_REQUEST = {"help_all", "quiet", "verbose", "summary_json", "prompt", "prompts", "output_dir",
                 "input_dir", "overwrite", "multihost", "coordinator_address", "num_processes",
                 "process_id", "no_progress", "telemetry_json", "telemetry_csv", "tensorboard_dir",
-                "plot_png", "compile_cache_dir", "warmup_steps"}
+                "plot_png", "compile_cache_dir", "warmup_steps", "claims_dir", "claim_lease"}
 _PATHS = {"image", "audio", "model_path", "encoder_path", "vae_path", "budget_profile",
           "magcache_profile"}
 _HASHED = 64 << 20  # files up to this size are known by their bytes, larger ones (checkpoints)
@@ -319,8 +334,11 @@ def run(args) -> dict:
     stage3_args.vae_path, stage3_args.fps = args.vae_path, args.fps
     stage3_args.compile_cache_dir = args.compile_cache_dir  # one cache for both stages
     if args.fps is not None:
-        from sampling.cli import as_number
         as_number("--fps", args.fps, minimum=stage3.MIN_FPS, maximum=stage3.MAX_FPS)
+    as_number("--claim_lease", args.claim_lease, minimum=1.0, maximum=86400.0)
+    shared = len(jobs) > 1  # a batch: its workers share the folder, each prompt by its claim
+    if shared and args.claims_dir is not None:
+        check_writable(args.claims_dir, "--claims_dir")
 
     if args.multihost:  # before anything touches JAX (importing the backend does)
         from tpu.compile import cache_dir_of, enable_compile_cache
@@ -330,8 +348,20 @@ def run(args) -> dict:
         # the persistent cache on: without it there, that program compiled again on every run
         enable_compile_cache(cache_dir_of(args.compile_cache_dir))
     writer = stage2.backend_writer(args.multihost)
-    with one_writer(_root(args.output_dir)) if writer else contextlib.nullcontext():
-        report = _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer)
+    root = _root(args.output_dir)
+    with one_writer(root, shared=shared) if writer else contextlib.nullcontext():
+        claims = Claims(args.claims_dir or os.path.join(root, CLAIMS),
+                        batch.batch_id(j.id for j in jobs), args.claim_lease) \
+            if writer and shared else None
+        try:
+            report = _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer, claims)
+            if shared and writer:
+                report["index"] = batch.write_index(
+                    root, jobs, [where for where, _ in numbered], claims, VIDEO,
+                    lambda j: folder_state(j.folder, j.id, args.compare) == DONE)
+        finally:
+            if claims is not None:
+                claims.close()
     return {**report, "random_encoders": stage1.random_encoders_used(pipe, args)}
 
 
@@ -370,83 +400,123 @@ class Job:
     def __init__(self, request, resolve: Callable[[tuple | None], RunSpec], folder: str,
                  request_id: str):
         self.request, self.resolve, self.folder, self.id = request, resolve, folder, request_id
-        self.state = ENCODE
+        self.state = self.found = ENCODE  # what it needs now; what it needed at the start
         self.given = None  # stage 1's (tensors, config), made or read back
         self.report = None  # stage 2's, when this run sampled it
         self.decode = None  # stage 3's seconds and compiles, when this run decoded it
         self.uncached = None  # --compare: the uncached latents
+        self.by_other = False  # made by another worker of the batch while this one ran
 
 
-def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool) -> dict:
-    began = time.perf_counter()
+def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool,
+         claims: Claims | None = None) -> dict:
+    began, began_wall = time.perf_counter(), time.time()
     n = len(jobs)
     states = [ENCODE] * n if settings.overwrite else [
         folder_state(j.folder, j.id, settings.compare) for j in jobs] if writer else [ENCODE] * n
     for job, state in zip(jobs, _agree(states, settings.multihost), strict=True):
-        job.state = state
+        job.state = job.found = state
     note = _resuming([j.state for j in jobs])
     if note:
         _say(writer, note)
 
+    def peek(job: Job) -> None:
+        job.state = folder_state(job.folder, job.id, settings.compare)
+
+    def refresh(job: Job) -> None:
+        # once claimed: what the folder holds now (another worker may have made it); with
+        # --overwrite only what a worker made since this one started counts
+        if not settings.overwrite or claims.finished_since(batch.key_of(job.folder), began_wall):
+            peek(job)
+
+    say = functools.partial(_say, writer)
     # stage 1: every prompt without embeddings of its request, then the encoders go before the
-    # DiT loads
-    for i, job in enumerate(jobs):
-        # the other hosts of a multi-host job encode what they sample (they may not share the
-        # writer's disk)
-        if job.state in (DONE, DECODE) or (job.state == SAMPLE and writer):
-            continue
-        t0 = time.perf_counter()
-        # a line before the work too: stage 1 runs seconds (tiny S2V) to minutes with nothing
-        # else on the screen (issue 62)
-        _say(writer, f"[{i + 1}/{n}] stage 1 encoding {shown(job.request.prompt)} ...")
-        tensors, metadata, config = stage1.encode(pipe, job.request, settings.encoder_path,
-                                                  settings.encoder_device)
-        config[REQUEST] = job.id
-        if writer:  # read back when its turn comes: a batch holds one prompt's tensors
-            write_stage(job.folder, tensors, EMBEDDINGS, metadata, config)
-        else:
-            job.given = (tensors, config)
-        _say(writer, f"[{i + 1}/{n}] stage 1 {time.perf_counter() - t0:.2f} s  "
-                     f"{job.request.prompt!r}")
+    # DiT loads. The other hosts of a multi-host job encode what they sample (they may not share
+    # the writer's disk)
+    encoding = batch.turns(jobs, claims, lambda j: j.state == ENCODE or (
+        j.state == SAMPLE and not writer), refresh, peek, say)
+    with contextlib.closing(encoding):
+        for i, job in encoding:
+            _encode(job, f"[{i + 1}/{n}]", pipe, settings, writer)
     gc.collect()
 
     # stages 2 and 3 prompt by prompt: a video is final as soon as its prompt is decoded. One
     # backend, its programs built for the first sampled prompt's shapes; one VAE and decoder
     backend, decode = None, _Decoder(settings.vae_path, stage3_args)
-    for i, job in enumerate(jobs):
-        if job.state in (SAMPLE, ENCODE):
-            given = job.given or (read_tensors(os.path.join(job.folder, EMBEDDINGS))[0],
-                                  own_config(job, EMBEDDINGS))
-            spec = job.resolve(given)
-            opened = None
-            if backend is None:
-                backend, opened = stage2.open_backend(spec)
-            report, job.uncached = stage2.sample_and_write(spec, backend, writer, opened)
-            # the per-call trace stays in the prompt's own telemetry: a batch of thousands keeps
-            # each prompt's figures only
-            job.report = {k: v for k, v in report.items() if k not in _PER_CALL}
-            t, c = report["time"], report["compiles"]
-            computed = sum(v["computed"] for v in report["branches"].values())
-            calls = computed + sum(v["reused"] for v in report["branches"].values())
-            _say(writer, f"[{i + 1}/{n}] stage 2 {t['stage_seconds']:.2f} s  computed "
-                         f"{computed}/{calls} calls, {speedup_text(report)}, compiles warm-up "
-                         f"{_lowered(c['warmup'])} loop {_lowered(c['loop'])}")
-            for warning in report.get("warnings", ()):  # slower than uncached, and the like
-                _say(writer, f"[{i + 1}/{n}] warning: {warning}")
-        if job.state != DONE and writer:
-            _say(writer, f"[{i + 1}/{n}] stage 3 decoding into {job.folder} ...")
-            out = decode(job)
-            # on JAX stage 3's counts (prepare, loop, process: `compiled` is what the persistent
-            # cache did not serve), as stage 2's; none on torch
-            job.decode = {"seconds": out["decode_seconds"], "compiles": out.get("compiles")}
-            _say(writer, f"[{i + 1}/{n}] stage 3 {out['decode_seconds']:.2f} s  "
-                         f"{os.path.join(job.folder, VIDEO)}")
-        job.given = job.uncached = None  # a long batch holds one prompt's tensors at a time
+    turns = batch.turns(jobs, claims, lambda j: j.state != DONE, refresh, peek, say,
+                        last=True) if writer else None
+    with contextlib.closing(turns) if turns is not None else contextlib.nullcontext():
+        for i, job in batch.agreed(turns, jobs, settings.multihost, STATES):
+            at = f"[{i + 1}/{n}]"
+            if job.state == ENCODE:  # its embeddings went after stage 1 (removed by hand)
+                _encode(job, at, pipe, settings, writer)
+            if job.state in (SAMPLE, ENCODE):
+                if job.given is None and not writer:
+                    _encode(job, at, pipe, settings, writer)
+                given = job.given or (read_tensors(os.path.join(job.folder, EMBEDDINGS))[0],
+                                      own_config(job, EMBEDDINGS))
+                spec = job.resolve(given)
+                opened = None
+                if backend is None:
+                    backend, opened = stage2.open_backend(spec)
+                _publishing(job, claims)
+                say(f"{at} stage 2 sampling {shown(job.request.prompt)} ...")
+                report, job.uncached = stage2.sample_and_write(spec, backend, writer, opened)
+                # the per-call trace stays in the prompt's own telemetry: a batch of thousands
+                # keeps each prompt's figures only
+                job.report = {k: v for k, v in report.items() if k not in _PER_CALL}
+                t, c = report["time"], report["compiles"]
+                computed = sum(v["computed"] for v in report["branches"].values())
+                calls = computed + sum(v["reused"] for v in report["branches"].values())
+                say(f"{at} stage 2 {t['stage_seconds']:.2f} s  computed {computed}/{calls} "
+                    f"calls, {speedup_text(report)}, compiles warm-up {_lowered(c['warmup'])} "
+                    f"loop {_lowered(c['loop'])}")
+                for warning in report.get("warnings", ()):  # slower than uncached, and the like
+                    say(f"{at} warning: {warning}")
+            if job.state != DONE and writer:
+                say(f"{at} stage 3 decoding into {job.folder} ...")
+                _publishing(job, claims)
+                out = decode(job)
+                # on JAX stage 3's counts (prepare, loop, process: `compiled` is what the
+                # persistent cache did not serve), as stage 2's; none on torch
+                job.decode = {"seconds": out["decode_seconds"], "compiles": out.get("compiles")}
+                say(f"{at} stage 3 {out['decode_seconds']:.2f} s  "
+                    f"{os.path.join(job.folder, VIDEO)}")
+            job.given = job.uncached = None  # a long batch holds one prompt's tensors at a time
     return {"model": pipe.name, "prompts": [j.request.prompt for j in jobs],
             "videos": [os.path.join(j.folder, VIDEO) for j in jobs] if writer else [],
-            "states": [j.state for j in jobs], "stage2": [j.report for j in jobs],
-            "stage3": [j.decode for j in jobs],
-            "seconds": time.perf_counter() - began, "writer": writer}
+            "states": [OTHER if j.by_other else j.found for j in jobs],
+            "stage2": [j.report for j in jobs], "stage3": [j.decode for j in jobs],
+            "seconds": time.perf_counter() - began, "writer": writer,
+            "worker": claims.worker if claims is not None else None}
+
+
+def _encode(job: Job, at: str, pipe, settings: Settings, writer: bool) -> None:
+    """Stage 1 of one prompt: written into its folder (read back when its turn comes: a batch
+    holds one prompt's tensors), or kept by a multi-host job's other processes."""
+    t0 = time.perf_counter()
+    # a line before the work too: stage 1 runs seconds (tiny S2V) to minutes with nothing else
+    # on the screen (issue 62)
+    _say(writer, f"{at} stage 1 encoding {shown(job.request.prompt)} ...")
+    tensors, metadata, config = stage1.encode(pipe, job.request, settings.encoder_path,
+                                              settings.encoder_device)
+    config[REQUEST] = job.id
+    if writer:
+        write_stage(job.folder, tensors, EMBEDDINGS, metadata, config)
+        job.state = SAMPLE
+    else:
+        job.given = (tensors, config)
+    _say(writer, f"{at} stage 1 {time.perf_counter() - t0:.2f} s  {job.request.prompt!r}")
+
+
+def _publishing(job: Job, claims: Claims | None) -> None:
+    """Before a stage writes a prompt's files: this worker still holds its claim (one that
+    stalled past the lease may have lost it to another worker, which then makes the prompt)."""
+    if claims is not None and not claims.ours(batch.key_of(job.folder)):
+        raise StageFileError(f"--output_dir {job.folder}: this worker's claim on the prompt was "
+                             f"taken over (it went {claims.lease:.0f} s without a heartbeat, as "
+                             "a dead worker does); expected to hold it while writing: nothing of "
+                             "the prompt is published by this worker, another one makes it")
 
 
 class _Decoder:
@@ -526,9 +596,15 @@ def format_summary(report: dict) -> str:
                                        report["stage2"], strict=True):
         how = (speedup_text(r) if r is not None else
                "skipped: made by an earlier run" if state == DONE else
+               "made by another worker of this batch" if state == OTHER else
                "decoded from an earlier run's latents")
         lines.append(f"  {video}  {prompt!r}  {how}")
     sampled = [r for r in report["stage2"] if r is not None]
+    others = report["states"].count(OTHER)
+    if report.get("worker") is not None:
+        mine = len(report["prompts"]) - others - report["states"].count(DONE)
+        lines.append(f"this worker ({report['worker']}) made {mine} prompt(s), other workers "
+                     f"{others}; the whole list: {report['index']}")
     skipped = report["states"].count(DONE)
     if skipped:
         lines.append(f"skipped {skipped} of {len(report['prompts'])} prompt(s) whose video an "

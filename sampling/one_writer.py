@@ -7,7 +7,9 @@ names the holder (pid, host, command) for the refusal, and is removed when the r
 
 A batch (`generate.py --prompts`) writes numbered subfolders of the folder it holds, so the
 hold covers the folder's whole tree: a run into a folder below one another run holds is refused
-too (it would write over a prompt of the batch)."""
+too (it would write over a prompt of the batch). The workers of one batch sharing a folder
+(`sampling.claims`) hold it together, with a shared lock: a single run into it, or below it, is
+refused as before; each prompt's subfolder is held by the one worker making it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,21 @@ LOCK = ".writer.lock"
 _HELD: set[str] = set()  # the folders this process holds (a batch writes below its own)
 
 
+def _shared_holders(path: str) -> bool:
+    """Whether the lock at `path` is held shared (by a batch's workers), not exclusively."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _holder(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -35,12 +52,13 @@ def _holder(path: str) -> str:
         return "a run that has not said who it is yet"
 
 
-def _open_locked(path: str) -> int | None:
-    """A descriptor of `path` holding its exclusive flock, or None if another process holds it."""
+def _open_locked(path: str, shared: bool = False) -> int | None:
+    """A descriptor of `path` holding its exclusive (or shared) flock, or None if another
+    process holds it exclusively (or at all, for an exclusive one)."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
@@ -52,6 +70,21 @@ def _open_locked(path: str) -> int | None:
         except FileNotFoundError:
             pass
         os.close(fd)
+
+
+def _taken(fd: int) -> bool:
+    """Whether another process holds the lock of `fd`, exclusively or shared (a batch's workers).
+    An exclusive lock taken only to look is dropped at once; another run looking the same instant
+    also holds one for a moment, so a look that fails is tried again before it counts."""
+    for attempt in range(5):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            time.sleep(0.01 * (attempt + 1))
+            continue
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    return True
 
 
 def _held_above(folder: str) -> tuple[str, str] | None:
@@ -68,11 +101,10 @@ def _held_above(folder: str) -> tuple[str, str] | None:
                 fd = None
             if fd is not None:
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return up, _holder(path)
+                    if _taken(fd):
+                        return up, _holder(path)
                 finally:
-                    os.close(fd)  # a shared lock taken only to look: dropped at once
+                    os.close(fd)
         parent = os.path.dirname(up)
         if parent == up:
             return None
@@ -80,10 +112,11 @@ def _held_above(folder: str) -> tuple[str, str] | None:
 
 
 @contextlib.contextmanager
-def one_writer(folder: str, flag: str = "--output_dir"):
+def one_writer(folder: str, flag: str = "--output_dir", shared: bool = False):
     """Hold `folder` (made if missing) for the block; StageFileError if another live run holds
     it. Folders it made are removed again if the run leaves them empty (a run that fails
-    leaves nothing behind)."""
+    leaves nothing behind). `shared`: held with the other workers of one batch, who share its
+    prompts by claims (an exclusive holder, a single run, keeps them all out and they it)."""
     above = _held_above(folder)
     if above is not None:
         raise StageFileError(f"{flag} {folder} is inside {above[0]}, which another run is "
@@ -97,11 +130,15 @@ def one_writer(folder: str, flag: str = "--output_dir"):
     try:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, LOCK)
-        fd = _open_locked(path)
+        fd = _open_locked(path, shared)
     except OSError as exc:
         raise StageFileError(f"{flag} {folder}: could not take it for this run "
                              f"({exc.strerror or exc}); expected a folder you can create files "
                              "in") from None
+    if fd is None and not shared and _shared_holders(path):
+        raise StageFileError(f"{flag} {folder} is being written by the workers of a batch "
+                             f"({_holder(path)}); expected one run per output folder: wait for "
+                             f"the batch to end, or give another {flag}")
     if fd is None:
         raise StageFileError(f"{flag} {folder} is being written by another run ({_holder(path)}); "
                              "expected one run per output folder: wait for that run to end, or "
@@ -110,8 +147,11 @@ def one_writer(folder: str, flag: str = "--output_dir"):
         who = {"pid": os.getpid(), "host": socket.gethostname(),
                "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]])[:500]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(who).encode(), 0)
+        if shared:  # the batch's first worker names it; the others leave the name as it is
+            who["command"] = "workers of " + who["command"]
+        if not shared or os.fstat(fd).st_size == 0:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(who).encode(), 0)
     except OSError:
         pass  # the name is for the refusal's message only; the lock holds without it
     held = os.path.abspath(folder)
@@ -120,8 +160,15 @@ def one_writer(folder: str, flag: str = "--output_dir"):
         yield
     finally:
         _HELD.discard(held)
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # while still held: a run waiting on it retries on the new file
+        last = True
+        if shared:  # the last of the batch's workers removes the file
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                last = False
+        if last:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # while still held: a run waiting on it retries on the new file
         os.close(fd)
         for empty in made:  # deepest first; a folder the run wrote into stays
             try:

@@ -119,7 +119,7 @@ def _killed_after(prompts, out, line: str, delay: float) -> None:
 
 @pytest.mark.parametrize("line, delay", [
     ("[2/4] stage 1", 0.0),  # while encoding
-    ("[2/4] stage 2", 0.0),  # latents of the 2nd prompt written, its decode in flight
+    ("[2/4] stage 3 decoding", 0.0),  # latents of the 2nd prompt written, its decode in flight
     ("[2/4] stage 3", 0.0),  # the 2nd video final
     ("[3/4] stage 2", 0.05),  # somewhere in the third prompt's decode or the fourth's sampling
 ])
@@ -143,7 +143,7 @@ def test_a_batch_killed_mid_run_resumes_where_it_stopped(reference, tmp_path, li
         frames, _ = read_video(case / f"{i + 1:03d}" / VIDEO)
         assert frames.shape[0] > 0
     assert not (case / LOCK).exists()  # the killed run's hold was taken over, then let go
-    if line == "[2/4] stage 2":
+    if line == "[2/4] stage 3 decoding":
         assert SAMPLE not in states[:1] and states[1] in (DECODE, DONE), states
 
 
