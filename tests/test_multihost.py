@@ -127,18 +127,22 @@ def test_two_hosts_sample_what_one_host_samples_and_only_process_0_writes(tmp_pa
 
 
 def _generate_two_hosts(out, prompts, *extra):
+    procs = _two_hosts(out, prompts, *extra)
+    results = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    return results
+
+
+def _two_hosts(out, prompts, *extra) -> list[subprocess.Popen]:
     address = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(
+    return [subprocess.Popen(
         [sys.executable, str(ROOT / "generate.py"), "--prompts", str(prompts), "--output_dir",
          str(out), "--enable_cache", "--no_progress", "--num_inference_steps", "4",
          "--compile_cache_dir", "none", "--multihost", "--coordinator_address", address,
          "--num_processes", "2", "--process_id", str(i), "--cfg_parallel", *extra],
         env=cpu_env(1), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in (0, 1)]
-    results = [p.communicate(timeout=600) for p in procs]
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 0, err[-2000:]
-    return results
 
 
 def test_a_preempted_two_host_batch_resumes_as_one_host_does(tmp_path):
@@ -164,6 +168,40 @@ def test_a_preempted_two_host_batch_resumes_as_one_host_does(tmp_path):
            "latents, 1 sampled from their embeddings" in err0, err0
     assert "resuming" not in err1  # process 0 alone prints
     assert {d: (out / d / "output_video.mp4").read_bytes() for d in ("001", "002", "003")} == videos
+
+
+def test_a_two_host_slice_is_one_worker_of_a_shared_list(tmp_path):
+    """Issue 62: a slice beside a one-process worker on one prompt list: the slice's process 0
+    claims for it and tells process 1 which prompt comes next; each prompt is made once."""
+    import re
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"{c} {s} moves {m} on black\n" for c in ("red", "green")
+                               for s in ("circle", "square") for m in ("left", "right")))
+    out = tmp_path / "out"
+    slice_ = _two_hosts(out, prompts)
+    # the one-process worker joins once the slice samples its first prompt (then holds its claim)
+    seen = []
+    for line in slice_[0].stderr:
+        seen.append(line)
+        if "stage 2 sampling" in line:
+            break
+    single = subprocess.Popen(
+        [sys.executable, str(ROOT / "generate.py"), "--prompts", str(prompts), "--output_dir",
+         str(out), "--enable_cache", "--no_progress", "--num_inference_steps", "4",
+         "--compile_cache_dir", "none", "--cfg_parallel"],
+        env=cpu_env(2), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (_, rest0), (_, err1) = [p.communicate(timeout=600) for p in slice_]
+    err0 = "".join(seen) + rest0
+    _, err = single.communicate(timeout=600)
+    for p, log in zip((*slice_, single), (err0, err1, err), strict=True):
+        assert p.returncode == 0, log[-2000:]
+    made = [int(m.group(1)) for log in (err0, err)
+            for m in re.finditer(r"^\[(\d+)/8\] stage 3 [\d.]+ s", log, re.M)]
+    assert sorted(made) == list(range(1, 9)), (made, err0[-1500:], err[-1500:])
+    assert re.search(r"^\[\d+/8\] stage 3 [\d.]+ s", err0, re.M)  # the slice made some
+    assert "stage" not in err1  # process 1 samples with process 0 and prints nothing
+    index = json.loads((out / "index.json").read_text())
+    assert index["done"] == index["of"] == 8
 
 
 def test_a_mesh_that_leaves_a_host_without_work_is_one_line(tmp_path):
