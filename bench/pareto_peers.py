@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from adapters.diffusers.tiny import fit_fixed_widths
 from bench.pareto_workload import CALIBRATION_SEED, BlockCounter, Run, Workload
 from modules.convert import (
     hunyuan_diffusers_config,
@@ -31,25 +32,9 @@ def diffusers_model(wl: Workload) -> torch.nn.Module:
         model = diffusers.WanTransformer3DModel(**wan_diffusers_config(cfg))
     else:
         model = diffusers.HunyuanVideo15Transformer3DModel(**hunyuan_diffusers_config(cfg))
-    _fit_fixed_widths(model, wl.theirs_state)
+    fit_fixed_widths(model, wl.theirs_state)
     model.load_state_dict(wl.theirs_state, strict=True)
     return model.eval()
-
-
-def _fit_fixed_widths(model: torch.nn.Module, state: dict) -> None:
-    """diffusers' HunyuanVideo15Transformer3DModel fixes two widths the released model has (the
-    token refiner's MLP at 4x, the byT5 projection's 2048), which the tiny model trained here
-    sets smaller (bench/fixtures/train.py). Each linear whose weight in `state` has another
-    shape is rebuilt at that shape: the forward only applies them, so the maths is the one the
-    weights were trained with."""
-    for name, module in list(model.named_modules()):
-        weight = state.get(f"{name}.weight")
-        if not isinstance(module, torch.nn.Linear) or weight is None \
-                or tuple(weight.shape) == tuple(module.weight.shape):
-            continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf,
-                torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None))
 
 
 def diffusers_inputs(wl: Workload, branch: str) -> dict:

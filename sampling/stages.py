@@ -110,10 +110,13 @@ TOKEN_AXES = {WanContext: {"e": 1, "e0": 1, "rope_cos": 0, "rope_sin": 0},
 
 
 def local_context(ctx):
-    """ctx with its per-token fields cut to this shard's tokens (unchanged on one device)."""
+    """ctx with its per-token fields cut to this shard's tokens (unchanged on one device). A
+    staged model from outside (`adapters/`) names its context's token axes on the context
+    class (`token_axes`)."""
     lay = layout.current()
-    return ctx._replace(**{name: lay.local_rows(getattr(ctx, name), axis)
-                           for name, axis in TOKEN_AXES[type(ctx)].items()})
+    axes = getattr(type(ctx), "token_axes", None)
+    return ctx._replace(**{name: lay.local_rows(getattr(ctx, name), axis) for name, axis in
+                           (TOKEN_AXES[type(ctx)] if axes is None else axes).items()})
 
 
 def replicated_key_lengths(model) -> tuple[int, ...]:
@@ -124,6 +127,9 @@ def replicated_key_lengths(model) -> tuple[int, ...]:
 
 
 def context_type(model: nn.Module):
+    given = getattr(model, "context_type", None)  # a staged model from outside (`adapters/`)
+    if given is not None:
+        return given
     if isinstance(model, WanS2VDiT):  # before WanDiT, its base
         return WanS2VContext
     if isinstance(model, WanDiT):
@@ -139,6 +145,8 @@ def image_stream(hidden):
 
 
 def hidden_dim(model) -> int:
+    if hasattr(model, "hidden_dim"):  # a staged model from outside (`adapters/`)
+        return model.hidden_dim
     cfg = model.config
     return cfg.dim if isinstance(model, WanDiT) else cfg.hidden_size
 

@@ -1,0 +1,87 @@
+"""Tiny diffusers pipelines on our trained weights (adapters/diffusers/tiny.py: converted through
+the registry's diffusers layout, on the schedule our pipeline samples with), and the same
+trajectory on our torch backend: what the adapter tests compare."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from adapters.diffusers.tiny import call_inputs, diffusers_transformer, make_pipeline
+from cache.flags import add_cache_arguments, config_from_args
+from modules.checkpoint import load_model
+from sampling.pipelines import get_pipeline
+from sampling.run import make_sample, sample_once
+from sampling.stages import SignalPlan
+from torch_backend.backend import TorchBackend
+
+SECOND = "bench/fixtures/heldout/tiny-wan-ti2v-seed7"  # a second Wan of the same shape
+
+
+def cache_config(flags: list[str]):
+    parser = argparse.ArgumentParser()
+    add_cache_arguments(parser)
+    return config_from_args(parser.parse_args(flags))
+
+
+def settings(flags: list[str]) -> dict:
+    """enable_cache's keywords for CLI flags."""
+    out, it = {}, iter(flags)
+    for flag in it:
+        key = flag[2:]
+        if key in ("teacache", "fbcache", "deepcache", "enable_cache", "magcache"):
+            out[key] = True
+        else:
+            out[key] = next(it)
+    return out
+
+
+@dataclasses.dataclass
+class Case:
+    """One pipeline (ours and diffusers') on the same weights and inputs."""
+
+    ours: object  # our Pipeline
+    models: dict  # expert -> our model
+    tensors: dict
+    shape: tuple
+    boundary_ratio: float | None = None
+
+    def make(self):
+        return make_pipeline(self.ours, {e: diffusers_transformer(m)
+                                         for e, m in self.models.items()}, self.boundary_ratio)
+
+    def call(self, pipe, **kwargs):
+        inputs = call_inputs(self.ours, self.tensors, self.shape,
+                             text_len=getattr(self.ours.config, "text_len", None))
+        if self.ours.moe:  # high above the boundary, low below (T6)
+            low, high = self.ours.guidance
+            inputs.update(guidance_scale=high, guidance_scale_2=low)
+        return pipe(**inputs, **kwargs).frames
+
+    def our_run(self, flags: list[str]):
+        config = cache_config(flags)
+        backend = TorchBackend(dict(self.models), SignalPlan.from_config(config))
+        sample = make_sample(backend, self.ours, self.tensors, self.shape, image=False, seed=0)
+        return sample_once(backend, config, sample, solver=self.ours.solver,
+                           steps=self.ours.steps, shift=self.ours.shift)
+
+
+def _case(name: str, two_experts: bool = False) -> Case:
+    ours = get_pipeline(name)
+    model = load_model(ours.builtin_path)[0].eval()
+    models, ratio = {None: model}, None
+    if two_experts:  # the A14B layout on two trained Wans of one shape
+        models = {"high": load_model(SECOND)[0].eval(), "low": model}
+        ours = dataclasses.replace(ours, experts=(("high", name), ("low", name)),
+                                   boundary=875.0, guidance=(3.0, 5.0))
+        ratio = 0.875
+    shape = ours.latent_shape(*ours.size)
+    return Case(ours, models, ours.synthesize(shape, True, False, 0), shape, ratio)
+
+
+def wan_case(two_experts: bool = False) -> Case:
+    return _case("wan-tiny-trained", two_experts)
+
+
+def hunyuan_case() -> Case:
+    return _case("hunyuanvideo-tiny-trained")
