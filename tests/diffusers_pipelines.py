@@ -7,13 +7,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from adapters.diffusers.tiny import call_inputs, diffusers_transformer, make_pipeline
+import torch
+
+from adapters.diffusers.tiny import (
+    call_inputs,
+    diffusers_transformer,
+    make_pipeline,
+    our_trajectory,
+)
 from cache.flags import add_cache_arguments, config_from_args
+from commands.stage2_backend import load_models
 from modules.checkpoint import load_model
 from sampling.pipelines import get_pipeline
-from sampling.run import make_sample, sample_once
-from sampling.stages import SignalPlan
-from torch_backend.backend import TorchBackend
 
 SECOND = "bench/fixtures/heldout/tiny-wan-ti2v-seed7"  # a second Wan of the same shape
 
@@ -59,15 +64,17 @@ class Case:
         return pipe(**inputs, **kwargs).frames
 
     def our_run(self, flags: list[str]):
-        config = cache_config(flags)
-        backend = TorchBackend(dict(self.models), SignalPlan.from_config(config))
-        sample = make_sample(backend, self.ours, self.tensors, self.shape, image=False, seed=0)
-        return sample_once(backend, config, sample, solver=self.ours.solver,
-                           steps=self.ours.steps, shift=self.ours.shift)
+        return our_trajectory(self.ours, self.models, self.tensors, self.shape,
+                              cache_config(flags))
 
 
 def _case(name: str, two_experts: bool = False) -> Case:
     ours = get_pipeline(name)
+    if ours.builtin_path is None:  # tiny random weights, drawn as stage 2 draws them
+        models = load_models(ours, None, torch.float32)
+        shape = ours.latent_shape(*ours.size)
+        return Case(ours, {e: m.eval() for e, m in models.items()},
+                    ours.synthesize(shape, True, False, 0), shape)
     model = load_model(ours.builtin_path)[0].eval()
     models, ratio = {None: model}, None
     if two_experts:  # the A14B layout on two trained Wans of one shape
@@ -85,3 +92,8 @@ def wan_case(two_experts: bool = False) -> Case:
 
 def hunyuan_case() -> Case:
     return _case("hunyuanvideo-tiny-trained")
+
+
+def random_case(name: str) -> Case:
+    """A pipeline whose model has tiny random weights (wan-tiny-ti2v, hunyuanvideo-tiny)."""
+    return _case(name)

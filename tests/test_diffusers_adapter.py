@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from adapters.diffusers import CacheSettingsError, cache_report, disable_cache, enable_cache
-from tests.diffusers_pipelines import hunyuan_case, settings, wan_case
+from tests.diffusers_pipelines import hunyuan_case, random_case, settings, wan_case
 
 # a threshold-driven gate (its computes land where the signal says), a preset, a schedule
 SETTINGS = [["--teacache", "--teacache_thresh", "0.05"], ["--preset", "balanced"],
@@ -56,6 +56,14 @@ def test_a_wan_pipeline_decides_as_our_backend_does(wan, flags):
 @pytest.mark.parametrize("flags", SETTINGS[:2], ids=lambda f: " ".join(f))
 def test_a_hunyuan_video15_pipeline_decides_as_our_backend_does(hunyuan, flags):
     report, _ = _agree(hunyuan, flags)
+    assert 0 < report["reused"] < report["calls"]
+
+
+@pytest.mark.parametrize("name", ["wan-tiny-ti2v", "hunyuanvideo-tiny"])
+@pytest.mark.parametrize("flags", [["--preset", "balanced"], ["--fbcache", "--fb_thresh", "0.05"]],
+                         ids=lambda f: " ".join(f))
+def test_random_weight_pipelines_decide_as_our_backend_does(name, flags):
+    report, _ = _agree(random_case(name), flags)
     assert 0 < report["reused"] < report["calls"]
 
 

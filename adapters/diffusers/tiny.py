@@ -134,3 +134,14 @@ def tiny_pipeline(prompt: str, model: str = "wan-tiny-trained", seed: int = 0):
     pipe = make_pipeline(ours, {None: diffusers_transformer(weights)})
     return pipe, call_inputs(ours, tensors, shape, seed,
                              getattr(weights.config, "text_len", None))
+
+
+def our_trajectory(ours, models: dict, tensors: dict, shape, config, seed: int = 0):
+    """The same trajectory on our torch backend (sampling.run): what the adapter must equal."""
+    from sampling.run import make_sample, sample_once
+    from sampling.stages import SignalPlan
+    from torch_backend.backend import TorchBackend
+    backend = TorchBackend(dict(models), SignalPlan.from_config(config))
+    sample = make_sample(backend, ours, tensors, shape, image=False, seed=seed)
+    return sample_once(backend, config, sample, solver=ours.solver, steps=ours.steps,
+                       shift=ours.shift)
