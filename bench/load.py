@@ -88,7 +88,7 @@ def write_checkpoint(config, directory: Path, seed: int = 0) -> None:
     import torch
 
     from modules.checkpoint import INDEX_NAME, config_to_json
-    from modules.convert import OFFICIAL
+    from modules.layouts import OFFICIAL
     from modules.registry import build_model
 
     shapes = {k: tuple(p.shape) for k, p in build_model(config, meta=True).named_parameters()}

@@ -15,10 +15,8 @@ import torch
 
 from adapters.diffusers.tiny import fit_fixed_widths
 from bench.pareto_workload import CALIBRATION_SEED, BlockCounter, Run, Workload
-from modules.convert import (
-    hunyuan_diffusers_config,
-    wan_diffusers_config,
-)
+from modules.hunyuan_video15_format import diffusers_config as hunyuan_diffusers_config
+from modules.wan_format import diffusers_config as wan_diffusers_config
 from sampling.loop import Combination, folding
 from sampling.schedulers import make_scheduler
 

@@ -16,11 +16,9 @@ from cache import (
     CMConfig,
 )
 from modules import hunyuan_video15, wan
-from modules.convert import (
-    hunyuan_to_diffusers,
-    wan_to_diffusers,
-)
+from modules.hunyuan_video15_format import to_diffusers as hunyuan_to_diffusers
 from modules.registry import build_model
+from modules.wan_format import to_diffusers as wan_to_diffusers
 from sampling.pipelines import PIPELINES
 from sampling.run import make_sample, noise_for, sample_once, warm_up
 from sampling.schedulers import make_scheduler

@@ -11,7 +11,7 @@ happen there), a device sync after every step.
 Diffusers: two model calls per step (cond, uncond), the CFG combination and the same UniPC
 scheduler, one warm-up step excluded, a sync after every step. Both share one set of weights:
 drawn from a seed directly on the GPU, bf16 with our fp32 islands, handed to diffusers through
-modules.convert.wan_to_diffusers with diffusers' own fp32 modules (`_keep_in_fp32_modules`).
+modules.wan_format.to_diffusers with diffusers' own fp32 modules (`_keep_in_fp32_modules`).
 Random weights make the adaptive gates (TeaCache, FBCache) skip what they skip on these weights,
 not what they skip on the released ones; the computed fraction is printed beside every time.
 
@@ -41,8 +41,9 @@ import torch  # noqa: E402
 from cache import CMConfig, DeepCacheConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
 from modules import ops  # noqa: E402
 from modules.checkpoint import cast_model  # noqa: E402
-from modules.convert import wan_diffusers_config, wan_to_diffusers  # noqa: E402
 from modules.registry import build_model  # noqa: E402
+from modules.wan_format import diffusers_config as wan_diffusers_config  # noqa: E402
+from modules.wan_format import to_diffusers as wan_to_diffusers  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, noise_for, sample_once  # noqa: E402
 from sampling.schedulers import make_scheduler  # noqa: E402

@@ -103,11 +103,11 @@ DECODE_ROWS = [
 DECODE_SHARE = 0.10  # the decode's roofline against the stage-2 run's, at most
 DECODE_TRAFFIC = (
     "On a TPU the fp32 Wan decoders round each convolution's input and weight to bf16 in the "
-    "program and sum in fp32 (`tpu.vae.conv_operand_dtype`): what the TPU's DEFAULT precision "
+    "program and sum in fp32 (`tpu.vae_wan.conv_operand_dtype`): what the TPU's DEFAULT precision "
     "does to an fp32 convolution anyway, stated where the operands are made, so the weights, the "
     "carried caches and every convolution's input move half the bytes (\"conv operands bf16\" in "
     f"the decode cell). And each chip's band of the frame runs as a batch of at least {MIN_STRIPS} "
-    "strips (`tpu.vae.strip_grid`; the cell says the grid): of a convolution with a smaller batch, "
+    "strips (`tpu.vae_strips.strip_grid`; the cell says the grid): of a convolution with a smaller batch, "
     f"libtpu's space-to-batch pass makes {MIN_STRIPS} batches of the frame's width, so every "
     "convolution's input was padded and relaid out into them and its fp32 output copied back for "
     "the norm that reads it. Turning the pass off by flags instead cut one convolution's traffic "
@@ -319,8 +319,8 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
         "frame with the causal caches carried, each call a chain of block programs that blocks",
         "alike share: `tpu/vae_chain.py`; the frame split by rows, or by columns where the",
         "rows do not divide, over the largest divisor of the chip count that divides them:",
-        "`tpu.vae.split_plan`, and for Wan each chip's band run as a batch of strips:",
-        "`tpu.vae.strip_grid`), in fp32 as stage 3's default unless the row says bf16, compiled for",
+        "`tpu.vae_plan.split_plan`, and for Wan each chip's band run as a batch of strips:",
+        "`tpu.vae_strips.strip_grid`), in fp32 as stage 3's default unless the row says bf16, compiled for",
         "the slice. Per chip: GiB of the whole decode (weights, carried caches and inputs, the",
         "program's temporaries and outputs, and the previous video chunk on its way to the host),",
         "TFLOP of the whole clip, the steady program's roofline (its bound), the clip's roofline",

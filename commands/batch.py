@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from sampling.claims import Claims
+from sampling.errors import StageFileError
 from sampling.one_writer import one_writer
-from sampling.stage_io import StageFileError
 
 INDEX = "index.json"  # the folder's merged index, written by every worker as it ends
 POLL = 0.2  # seconds between looks at the prompts other workers hold

@@ -36,15 +36,18 @@ from cache import CMConfig, TeaCacheConfig, magcache
 from cache.teacache_profiles import SIGNALS, check_profile
 from cache.validate import FieldError
 from modules import ops
-from modules.checkpoint import CheckpointError, model_fingerprint
+from modules.checkpoint import model_fingerprint
 from modules.layers import ModelConfigError
+from modules.layouts import CheckpointError
 from sampling import budget, progress
-from sampling.cli import CommandParser, UsageError, as_int, command
+from sampling.cli import CommandParser, as_int, command
+from sampling.errors import StageFileError, UsageError
+from sampling.journal import atomic_write
 from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, Pipeline, get_pipeline
 from sampling.run import make_sample, sample_once
 from sampling.run_spec import check_path
 from sampling.schedulers import SchedulerError
-from sampling.stage_io import StageFileError, atomic_write, check_writable_file
+from sampling.stage_io import check_writable_file
 from sampling.stages import SignalPlan
 
 from .calibration_runs import RunMemo

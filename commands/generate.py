@@ -48,7 +48,9 @@ import numpy as np
 
 from encoders.request import EncoderInputError
 from sampling.claims import CLAIMS, LEASE, Claims
-from sampling.cli import CommandParser, UsageError, as_int, as_number, command
+from sampling.cli import CommandParser, as_int, as_number, command
+from sampling.errors import StageFileError, UsageError
+from sampling.journal import Staged
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE
 from sampling.run_spec import DEFAULT_SEED, RunSpec, from_flags
@@ -58,15 +60,13 @@ from sampling.stage_io import (
     LATENTS,
     PAIR_ID,
     VIDEO,
-    Staged,
-    StageFileError,
     check_writable,
-    encode_mp4,
     read_config,
     read_tensors,
     settled_folder,
     write_stage,
 )
+from sampling.video_file import encode_mp4
 
 from . import batch, stage1, stage2, stage3
 

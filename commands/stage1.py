@@ -18,10 +18,11 @@ import os
 
 import encoders
 from encoders import EncoderInputError, Request
-from sampling.cli import CommandParser, UsageError, as_int, command
+from sampling.cli import CommandParser, as_int, command
+from sampling.errors import StageFileError, UsageError
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
-from sampling.stage_io import CONFIG, EMBEDDINGS, StageFileError, check_writable, write_stage
+from sampling.stage_io import CONFIG, EMBEDDINGS, check_writable, write_stage
 
 ERRORS = (UsageError, EncoderInputError, StageFileError)
 

@@ -22,19 +22,22 @@ from cache import CMConfig, ConfigError
 from cache.flags import add_cache_arguments
 from cache.telemetry import trace_csv
 from modules import ops
-from modules.checkpoint import CheckpointError, model_fingerprint, reader_fingerprint
+from modules.checkpoint import model_fingerprint, reader_fingerprint
 from modules.layers import ModelConfigError
+from modules.layouts import CheckpointError
 from sampling import progress
 from sampling.budget import BudgetError
-from sampling.cli import CommandParser, UsageError, add_compile_cache_flag, command
+from sampling.cli import CommandParser, add_compile_cache_flag, command
 from sampling.clips import decode_inputs, decode_metadata, sample_clips
+from sampling.errors import StageFileError, UsageError
+from sampling.journal import Staged
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, PIPELINES
 from sampling.run import make_sample, noise_for, sample_once
 from sampling.run_spec import DEFAULT_SEED, DTYPES, RunSpec
 from sampling.schedulers import SOLVERS, SchedulerError
 from sampling.sinks import SinkUnavailable, plot_traces, write_tensorboard
-from sampling.stage_io import EMBEDDINGS, STAGE3_FIELDS, Staged, StageFileError, write_stage2
+from sampling.stage_io import EMBEDDINGS, STAGE3_FIELDS, write_stage2
 from sampling.stages import SignalPlan
 
 from .stage2_backend import (

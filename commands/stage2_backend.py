@@ -11,7 +11,7 @@ import torch
 from modules import ops
 from modules.checkpoint import cast_model, load_model, open_checkpoint
 from modules.registry import build_model
-from sampling.cli import UsageError
+from sampling.errors import UsageError
 from sampling.run_spec import Launch, RunSpec, expert_path, gib, hidden_bytes
 
 

@@ -20,7 +20,8 @@ from sampling import platforms
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
 from sampling.budget import load as budget_load
-from sampling.cli import UsageError, as_int, as_number
+from sampling.cli import as_int, as_number
+from sampling.errors import StageFileError, UsageError
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, MAX_GUIDANCE, PIPELINES, get_pipeline
 from sampling.run_spec import (
     DEFAULT_SEED,
@@ -42,7 +43,6 @@ from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
     LATENTS,
-    StageFileError,
     check_distinct,
     check_tensors,
     check_writable,

@@ -38,15 +38,15 @@ from modules.vae import (
     spec_for,
     to_vae_latents,
 )
-from sampling.cli import CommandParser, UsageError, add_compile_cache_flag, as_int, as_number, command
+from sampling.cli import CommandParser, add_compile_cache_flag, as_int, as_number, command
 from sampling.clips import clip_decodes
+from sampling.errors import StageFileError, UsageError
 from sampling.one_writer import one_writer
 from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
 from sampling.stage_io import (
     CONFIG,
     LATENTS,
     VIDEO,
-    StageFileError,
     check_tensors,
     check_writable,
     read_stage2_tensors,
@@ -370,7 +370,8 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
     # as stage 2, and before tpu.vae is imported (importing torchax compiles): the next run
     # finds every program in the persistent cache
     enable_compile_cache(r["compile_cache_dir"])
-    from tpu.vae import JaxVaeDecoder, make_mesh, mesh_size
+    from tpu.vae import JaxVaeDecoder
+    from tpu.vae_plan import make_mesh, mesh_size
 
     pipe, latents = r["pipe"], r["latents"]
     vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])

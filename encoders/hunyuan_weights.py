@@ -116,7 +116,8 @@ def load_pickle(path: Path, what: str) -> dict[str, torch.Tensor]:
 def stored_shapes(path: Path, what: str) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from safetensors headers or a pickle's index, without reading
     tensor data."""
-    from modules.checkpoint import CheckpointError, checkpoint_files, read_header
+    from modules.layouts import CheckpointError
+    from modules.safetensors_reader import checkpoint_files, read_header
 
     if path.suffix in (".pt", ".pth", ".bin"):
         return {k: tuple(v.shape) for k, v in load_pickle(path, what).items()}

@@ -32,14 +32,9 @@ import ftfy
 import regex
 import torch
 
-from modules.checkpoint import (
-    CheckpointError,
-    all_finite,
-    check_against,
-    checkpoint_files,
-    nonfinite_message,
-    read_headers,
-)
+from modules.checkpoint import all_finite, check_against, nonfinite_message
+from modules.layouts import CheckpointError
+from modules.safetensors_reader import checkpoint_files, read_headers
 from modules.vae import one_line
 
 from .request import EncoderInputError

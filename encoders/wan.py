@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from modules.checkpoint import CheckpointError, read_header
+from modules.layouts import CheckpointError
+from modules.safetensors_reader import read_header
 from modules.vae import (
     TINY_VAE_SEED,
     VaeError,

@@ -262,7 +262,8 @@ def _read_json(path: Path, expected: str) -> dict:
 def _tensor_shapes(path: Path, expected: str) -> dict[str, tuple]:
     """name -> shape from a checkpoint's header (safetensors) or pickle index (torch.load with
     mmap: no tensor data is read)."""
-    from modules.checkpoint import CheckpointError, read_header
+    from modules.layouts import CheckpointError
+    from modules.safetensors_reader import read_header
 
     if path.suffix == ".safetensors":
         try:

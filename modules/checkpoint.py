@@ -42,7 +42,6 @@ from modules.safetensors_reader import (
     read_headers,
     read_tensors,
 )
-from modules.safetensors_reader import read_header as read_header  # callers import it from here
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"

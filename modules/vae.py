@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from modules.checkpoint import CheckpointError, all_finite, nonfinite_message
+from modules.checkpoint import all_finite, nonfinite_message
+from modules.layouts import CheckpointError
 from modules.safetensors_reader import read_header
 
 

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from .stage_io import StageFileError
+from sampling.errors import StageFileError
 
 CLAIMS = ".claims"  # the folder of claims, in the batch's output folder unless given
 LEASE = 120.0  # seconds without a heartbeat after which another host's claim is dead

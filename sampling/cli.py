@@ -14,11 +14,13 @@ import sys
 import time
 from typing import Callable
 
+from sampling.errors import StageFileError, UsageError
+from sampling.journal import atomic_write
+
 from . import progress
-from .errors import UsageError  # noqa: F401 (the commands' name for it)
 from .interrupt import Interrupted, handled
 from .platforms import check_xla_flags
-from .stage_io import StageFileError, atomic_write, check_writable_file
+from .stage_io import check_writable_file
 
 
 def launch_rank() -> int:

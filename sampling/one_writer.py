@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 
-from .stage_io import StageFileError
+from sampling.errors import StageFileError
 
 LOCK = ".writer.lock"
 _HELD: set[str] = set()  # the folders this process holds (a batch writes below its own)

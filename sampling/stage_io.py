@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from cache.validate import FieldError, present, read_json
+from sampling.errors import StageFileError
 
 from .journal import (
     FILE_MODE,
@@ -38,26 +39,21 @@ from .journal import (
     TEMP_ROOM,
     Commit,
     Staged,
-    StageFileError,
-    atomic_write,
     folder_lock,
     probe,
     remove_stale,
     roll_forward,
-    staged,
     sync,
     temp_prefix,
 )
 from .pipelines import TensorSpec
 from .video_file import encode_mp4
 
-# the commands and tests import the journal's and the video file's names from here too
 __all__ = [
-    "CONFIG", "EMBEDDINGS", "JOURNAL", "LATENTS", "MAX_ABS", "PAIR_ID", "STAGE3_FIELDS", "VIDEO",
-    "Staged", "StageFileError", "atomic_write", "check_creatable", "check_distinct",
-    "check_tensors", "check_writable", "check_writable_file", "encode_mp4", "folder_lock",
-    "read_config", "read_stage1", "read_stage2", "read_stage2_tensors", "read_tensors", "recover",
-    "remove_stale", "staged", "write_stage", "write_stage2", "write_tensors", "write_video",
+    "CONFIG", "EMBEDDINGS", "LATENTS", "MAX_ABS", "PAIR_ID", "STAGE3_FIELDS", "VIDEO",
+    "check_creatable", "check_distinct", "check_tensors", "check_writable",
+    "check_writable_file", "read_config", "read_stage1", "read_stage2", "read_stage2_tensors",
+    "read_tensors", "recover", "write_stage", "write_stage2", "write_tensors", "write_video"
 ]
 
 EMBEDDINGS = "stage1_embeddings.safetensors"

@@ -17,8 +17,9 @@ import pytest
 
 from commands import generate, stage1, stage2
 from commands.generate import DECODE, DONE, ENCODE, SAMPLE, folder_state
+from sampling.errors import StageFileError
 from sampling.one_writer import LOCK, one_writer
-from sampling.stage_io import CONFIG, LATENTS, VIDEO, StageFileError, read_config
+from sampling.stage_io import CONFIG, LATENTS, VIDEO, read_config
 from tests.test_refusals import refused
 from tests.test_stage3 import read_video
 

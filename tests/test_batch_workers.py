@@ -17,8 +17,9 @@ import pytest
 
 from commands import batch, generate
 from sampling.claims import RELEASED, Claims
+from sampling.errors import StageFileError
 from sampling.one_writer import LOCK, one_writer
-from sampling.stage_io import VIDEO, StageFileError
+from sampling.stage_io import VIDEO
 from tests.test_refusals import refused
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,15 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modules.checkpoint import (
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    CheckpointError,
-    config_to_json,
-    load_model,
-    save_checkpoint,
-)
-from modules.convert import DIFFUSERS, OFFICIAL
+from modules.checkpoint import INDEX_NAME, WEIGHTS_NAME, config_to_json, load_model, save_checkpoint
+from modules.layouts import DIFFUSERS, OFFICIAL, CheckpointError
 from tests.model_inputs import hy_inputs, random_model, wan_inputs
 
 FAMILIES = ["wan-tiny-i2v", "hunyuanvideo-tiny-meanflow"]
@@ -74,8 +67,9 @@ def test_diffusers_layout_fits_diffusers_classes(tmp_path):
 def test_diffusers_config_json_holds_the_diffusers_constructor_arguments():
     """One mapping per family: the diffusers config.json we write is `_class_name` plus the
     arguments the diffusers oracles are built with (tuples written as lists)."""
-    from modules.convert import hunyuan_diffusers_config, wan_diffusers_config
+    from modules.hunyuan_video15_format import diffusers_config as hunyuan_diffusers_config
     from modules.registry import get_config
+    from modules.wan_format import diffusers_config as wan_diffusers_config
     for name, arguments in (("wan2.2-ti2v-5b", wan_diffusers_config),
                             ("wan2.2-i2v-a14b-low", wan_diffusers_config),
                             ("hunyuanvideo-1.5-480p_i2v_step_distilled", hunyuan_diffusers_config)):

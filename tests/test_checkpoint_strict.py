@@ -25,14 +25,9 @@ import stage2_transformer_flax_deepcache as stage2
 import stage3_vae_decode as stage3
 from commands import calibrate
 from modules import checkpoint, safetensors_reader
-from modules.checkpoint import (
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    CheckpointError,
-    load_model,
-    read_header,
-    save_checkpoint,
-)
+from modules.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_model, save_checkpoint
+from modules.layouts import CheckpointError
+from modules.safetensors_reader import read_header
 from modules.vae import VAES, VaeError, build_tiny, load_vae
 from tests.model_inputs import random_model
 from tests.test_refusals import refused

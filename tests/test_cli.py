@@ -11,9 +11,9 @@ import torch
 from cache import ConfigError
 from cache.flags import config_from_args
 from commands import stage1, stage2
+from commands.stage2 import build_parser
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, get_pipeline
 from sampling.stage_io import EMBEDDINGS, read_stage2, write_stage
-from stage2_transformer_flax_deepcache import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 

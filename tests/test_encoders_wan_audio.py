@@ -195,7 +195,7 @@ def test_ref_latents_are_the_stage3_tiny_vae_encode(files):
     """Tiny weights: the reference latent is the mean of the same tiny Wan2.1 VAE stage 3 decodes
     with (seed 0), after its save/load round trip, of the official preprocessing (64 x 128 for a
     60 x 100 image within 64 x 128)."""
-    from commands.stage3 import TINY_VAE_SEED
+    from modules.vae import TINY_VAE_SEED
 
     assert wan_audio.TINY_VAE_SEED == TINY_VAE_SEED
     tensors, config = wan_audio.encode(PIPE, request(files, height=64, width=128), None)

@@ -108,7 +108,7 @@ def test_forecast_gate_config_is_checked():
 
 def test_flags_map_onto_the_forecast_gate():
     from cache.flags import config_from_args
-    from stage2_transformer_flax_deepcache import build_parser
+    from commands.stage2 import build_parser
 
     def parse(*args):
         return config_from_args(build_parser().parse_args(list(args)))
@@ -169,7 +169,7 @@ def test_step_weight_exponent_and_its_absence():
 
 def test_step_weight_config_and_flag_are_checked():
     from cache.flags import config_from_args
-    from stage2_transformer_flax_deepcache import build_parser
+    from commands.stage2 import build_parser
 
     for bad in (-1.0, float("nan"), True):
         with pytest.raises(ConfigError, match="step_weight"):

@@ -258,3 +258,60 @@ def test_the_checker_sees_a_cycle_and_private_names(tmp_path, monkeypatch):
     assert import_cycles(graph) == [["tpu.a", "tpu.b", "tpu.a"]]
     assert private["tpu.a"] == [(2, "tpu.c", "_g")] and private["tpu.b"] == [(3, "tpu.c", "_h")]
     assert private["tpu.c"] == []
+
+
+# --- one import path for one name: no façade re-exports ----------------------------------------
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module binds itself at its top level (not by importing them)."""
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.If, ast.Try, ast.With, ast.For)):
+            for n in ast.walk(node):
+                if isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+                    out.add(n.name)
+                elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    out.add(n.id)
+    return out
+
+
+def reexported_imports(paths: dict[str, Path]) -> list[str]:
+    """`from m import x` where module m (not a package) only imports x itself: the name has two
+    import paths, and a caller should take it from where it is defined."""
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in paths.items()}
+    defined = {m: _defined(t) for m, t in trees.items()}
+    found = []
+    for m, tree in trees.items():
+        package = paths[m].relative_to(ROOT).with_suffix("").parts[:-1]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _from_module(node, package)
+            if source not in trees or paths[source].name == "__init__.py":
+                continue
+            for alias in node.names:
+                if alias.name not in defined[source] and f"{source}.{alias.name}" not in paths:
+                    found.append(f"{paths[m].relative_to(ROOT)}:{node.lineno} takes "
+                                 f"{alias.name} from {source}, which imports it")
+    return found
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    paths = {**product_modules(), **{module_name(p): p for d in ("bench", "tools", "tests")
+                                     for p in sorted((ROOT / d).rglob("*.py"))}}
+    found = reexported_imports(paths)
+    assert not found, "take these from the module that defines them:\n" + "\n".join(found)
+
+
+def test_the_checker_sees_a_reexport(tmp_path, monkeypatch):
+    pkg = tmp_path / "cache"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("def f():\n    pass\n")
+    (pkg / "b.py").write_text("from .a import f\n")
+    (pkg / "c.py").write_text("from cache.b import f\nfrom cache import f as g\nfrom .a import f\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    paths = {module_name(p): p for p in sorted(pkg.glob("*.py"))}
+    assert reexported_imports(paths) == ["cache/c.py:1 takes f from cache.b, which imports it"]

@@ -6,12 +6,10 @@ import pytest
 import torch
 
 from modules import ops
-from modules.convert import (
-    hunyuan_diffusers_config,
-    hunyuan_to_diffusers,
-    wan_diffusers_config,
-    wan_to_diffusers,
-)
+from modules.hunyuan_video15_format import diffusers_config as hunyuan_diffusers_config
+from modules.hunyuan_video15_format import to_diffusers as hunyuan_to_diffusers
+from modules.wan_format import diffusers_config as wan_diffusers_config
+from modules.wan_format import to_diffusers as wan_to_diffusers
 from tests.model_inputs import hy_inputs, random_model, rel_err, wan_inputs
 
 diffusers = pytest.importorskip("diffusers")

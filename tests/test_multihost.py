@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from modules.checkpoint import read_headers, save_checkpoint
+from modules.checkpoint import save_checkpoint
 from modules.registry import build_model
+from modules.safetensors_reader import read_headers
 from sampling.stage_io import CONFIG, LATENTS, read_stage2
 from tests.model_inputs import random_model
 

@@ -222,7 +222,7 @@ def _cli(cwd, *args, devices=None, **extra_env):
 def _refused(capsys, *args):
     """(exit code, stderr) of the command's own main in this process: a refusal comes before any
     model or device work, so a child apiece would only add an import of torch and JAX."""
-    from stage2_transformer_flax_deepcache import main
+    from commands.stage2 import main
 
     code = main([*args, "--no_progress"])
     return code, capsys.readouterr().err

@@ -101,7 +101,7 @@ def test_cli_runs_sequence_and_cfg_parallel_and_refuses_missing_devices(tmp_path
     out = _cli(bad, "--sp_size", "4")
     assert out.returncode == 2 and "needs 4 devices" in out.stderr and "xla_force_host" in out.stderr
     # a flag check, before any model or device work: the command's main in this process
-    from stage2_transformer_flax_deepcache import main
+    from commands.stage2 import main
     monkeypatch.chdir(bad)
     assert main(["--cfg_parallel", "--cfg_mode", "separate", "--no_progress", "--output_dir", "out"]) == 2
     assert "--cfg_parallel" in capsys.readouterr().err

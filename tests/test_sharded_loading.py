@@ -15,14 +15,9 @@ import pytest
 import torch
 
 from modules import checkpoint
-from modules.checkpoint import (
-    WEIGHTS_NAME,
-    CheckpointError,
-    load_model,
-    open_checkpoint,
-    read_header,
-    save_checkpoint,
-)
+from modules.checkpoint import WEIGHTS_NAME, load_model, open_checkpoint, save_checkpoint
+from modules.layouts import CheckpointError
+from modules.safetensors_reader import read_header
 from tests.model_inputs import random_model
 from tpu import loading
 

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from commands.stage3 import TINY_VAE_SEED, to_frames
+from commands.stage3 import main, to_frames
 from modules.vae import (
+    TINY_VAE_SEED,
     VAES,
     VaeError,
     build_tiny,
@@ -29,7 +30,6 @@ from modules.vae import (
 )
 from sampling.pipelines import get_pipeline
 from sampling.stage_io import CONFIG, LATENTS, VIDEO, write_stage2
-from stage3_vae_decode import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -137,7 +137,7 @@ def test_stage2_then_stage3_on_jax_writes_the_mp4(tmp_path):
 
 
 def test_torch_only_flags_are_refused_with_the_jax_backend(tmp_path, capsys):
-    from stage3_vae_decode import main
+    from commands.stage3 import main
     from tests.test_stage3 import stage2_dir
 
     stage2_dir(tmp_path, "hunyuanvideo-tiny")

@@ -58,7 +58,7 @@ def stage2_runs(tmp_path_factory):
     """name -> (stage-2 folder, stage-1 tensors, clips): 2 clips without a motion history (the
     official drop_first_motion), 2 clips continuing a given 5-frame history. (Every clip after
     the first decodes 19 + 4 latent frames: two clips per run keep the tests short.)"""
-    from stage2_transformer_flax_deepcache import main
+    from commands.stage2 import main
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -39,7 +39,7 @@ def test_command_compiles_the_decode_for_a_slice_and_plans_it(tmp_path):
     pipe = get_pipeline("wan-tiny-ti2v")
     shape = pipe.latent_shape(*pipe.size)
     assert (report["devices"], report["split"]) == (4, "rows")
-    # each chip's band of 2 x 12 latent pixels as a batch of 8 strips (tpu.vae.strip_grid)
+    # each chip's band of 2 x 12 latent pixels as a batch of 8 strips (tpu.vae_strips.strip_grid)
     assert report["strips"] == [2, 4] and "each band as 2 x 4 strips" in out.stdout
     # float32 on a TPU: the convs' operands rounded to bf16 in the program (tpu.vae)
     assert (report["dtype"], report["conv_operands"]) == ("fp32", "bf16")

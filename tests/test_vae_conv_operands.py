@@ -60,9 +60,9 @@ def _torch_with_rounded_convs(vae):
 
 
 def test_the_wan_decoder_rounds_on_tpu_only_and_decodes_like_torch_with_rounded_convs():
-    assert tv.conv_operand_dtype(torch.float32, "tpu") == torch.bfloat16
-    assert tv.conv_operand_dtype(torch.float32, "cpu") is None
-    assert tv.conv_operand_dtype(torch.bfloat16, "tpu") is None
+    assert vae_wan.conv_operand_dtype(torch.float32, "tpu") == torch.bfloat16
+    assert vae_wan.conv_operand_dtype(torch.float32, "cpu") is None
+    assert vae_wan.conv_operand_dtype(torch.bfloat16, "tpu") is None
     vae = build_tiny(VAES["wan2.2-vae"], 48)
     assert tv.JaxVaeDecoder(vae).operands is None  # on this CPU: float32 as stored
 

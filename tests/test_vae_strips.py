@@ -10,20 +10,20 @@ import torch
 
 from modules.vae import VAES, build_tiny
 from tpu import vae as tv
-from tpu import vae_wan
+from tpu import vae_strips, vae_wan
 
 
 def test_a_tpu_band_takes_the_grid_of_at_least_8_strips_with_the_least_halo():
     # Wan2.2 TI2V-5B, 704 x 1280 over v6e-8 by columns: 44 x 10 latent pixels a chip. 4 x 2
     # strips of 88 x 40 at the last convs add (90*42)/(88*40) - 1 = 7.4% halo; 11 x 1 (32 x 80)
     # 8.9%, 2 x 5 (176 x 16) 13.8%
-    assert tv.strip_grid(44, 10, "tpu") == (4, 2)
+    assert vae_strips.strip_grid(44, 10, "tpu") == (4, 2)
     # Wan2.2 I2V-A14B, 720 x 1280 by columns: 90 x 20 a chip; 9 x 1 strips of 80 x 160: 3.8%
-    assert tv.strip_grid(90, 20, "tpu") == (9, 1)
+    assert vae_strips.strip_grid(90, 20, "tpu") == (9, 1)
     # 8 x 8: 4 x 2 and 2 x 4 add 19.5%, 8 x 1 28.9%, 4 x 4 26.6%; of the tie the wider strips
-    assert tv.strip_grid(8, 8, "tpu") == (4, 2)
-    assert tv.strip_grid(44, 10, "cpu") == (1, 1)  # elsewhere the frame's band stays whole
-    assert tv.strip_grid(3, 2, "tpu") == (1, 1)  # no grid of 8 divides 3 x 2
+    assert vae_strips.strip_grid(8, 8, "tpu") == (4, 2)
+    assert vae_strips.strip_grid(44, 10, "cpu") == (1, 1)  # elsewhere the frame's band stays whole
+    assert vae_strips.strip_grid(3, 2, "tpu") == (1, 1)  # no grid of 8 divides 3 x 2
 
 
 @pytest.mark.parametrize("grid", [(2, 2), (1, 4), (4, 1)])
@@ -86,7 +86,7 @@ def test_steady_calls_of_several_frames_decode_what_diffusers_does_and_compile_n
 
 def test_frames_per_call_is_a_positive_integer_and_wan_only():
     vae = build_tiny(VAES["wan2.1-vae"], 16)
-    assert tv.JaxVaeDecoder(vae).per_call == tv.WAN_FRAMES_PER_CALL
+    assert tv.JaxVaeDecoder(vae).per_call == vae_wan.WAN_FRAMES_PER_CALL
     for bad in (0, "2", 1.5):
         with pytest.raises(ValueError, match="expected 'auto' or a positive integer"):
             tv.JaxVaeDecoder(vae, frames_per_call=bad)

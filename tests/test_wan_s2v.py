@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from modules.checkpoint import CheckpointError, config_from_json, load_model, save_checkpoint
-from modules.convert import DIFFUSERS
+from modules.checkpoint import config_from_json, load_model, save_checkpoint
 from modules.layers import ModelConfigError
+from modules.layouts import DIFFUSERS, CheckpointError
 from modules.registry import build_model, get_config
 from modules.wan_s2v import (
     AudioAdaIN,

@@ -19,11 +19,12 @@ import torch  # noqa: E402
 
 from modules.vae import VAES, build_tiny  # noqa: E402
 from tests.sp_jax_check import collectives  # noqa: E402
-from tpu.vae import JaxVaeDecoder, make_mesh  # noqa: E402
+from tpu.vae import JaxVaeDecoder
+from tpu.vae_plan import make_mesh
 
 # VAE -> (latent channels, latent [H, W], meshes): H splits over 8 devices. Every count for each
 # way of splitting: the Wan VAEs' strips (Wan2.1's 8 devices also each cutting its band, 2 x 8
-# latent pixels, into 2 x 2 strips as on a TPU: tpu.vae.strip_grid) and HunyuanVideo-1.5's GSPMD
+# latent pixels, into 2 x 2 strips as on a TPU: tpu.vae_strips.strip_grid) and HunyuanVideo-1.5's GSPMD
 # partitioning; 8 for Wan2.2, whose decoder splits as Wan2.1's does (each mesh compiles two
 # programs).
 CASES = {"wan2.1-vae": (16, (16, 8), (2, 4, 8, (8, (2, 2)))), "wan2.2-vae": (48, (8, 4), (8,)),

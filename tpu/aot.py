@@ -40,11 +40,13 @@ import torch  # noqa: E402
 
 from cache import ConfigError  # noqa: E402
 from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
-from modules.checkpoint import CheckpointError, cast_model, load_model  # noqa: E402
+from modules.checkpoint import cast_model, load_model  # noqa: E402
 from modules.layers import ModelConfigError  # noqa: E402
+from modules.layouts import CheckpointError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
-from sampling.cli import UsageError, as_number, command  # noqa: E402
+from sampling.cli import as_number, command  # noqa: E402
 from sampling.clips import fit_motion, motion_frames  # noqa: E402
+from sampling.errors import StageFileError, UsageError  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import MAX_GUIDANCE, PIPELINES, get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
@@ -57,7 +59,7 @@ from sampling.run_spec import (  # noqa: E402
     with_cfg_parallel,
 )
 from sampling.schedulers import SOLVERS, SchedulerError, make_scheduler  # noqa: E402
-from sampling.stage_io import StageFileError, check_writable_file  # noqa: E402
+from sampling.stage_io import check_writable_file  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sharding.jax_sp import WEIGHT_SHARDINGS, make_mesh  # noqa: E402
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from sampling.cli import UsageError
+from sampling.errors import UsageError
 
 # JAX's words for a part of the layout it could not find -> ours
 _LAYOUT = (("coordinator_address", "coordinator address"), ("Number of processes", "process count"),

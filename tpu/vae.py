@@ -32,15 +32,12 @@ from jax.sharding import Mesh
 from compat.torchax_compat import import_torchax
 
 from .compile import compile_counts
-from .vae_hunyuan import KV_BUCKET, HunyuanPlan, kv_frames
+from .vae_hunyuan import HunyuanPlan, kv_frames
 from .vae_pixels import PixelsPlan
-from .vae_plan import AXIS, COLUMNS, ROWS, DecodePlan, Placement, TracedVae, make_mesh, mesh_size, split_plan
-from .vae_strips import MIN_STRIPS, WAN_UPSCALE, strip_grid
-from .vae_wan import WAN_FRAMES_PER_CALL, WanPlan, conv_operand_dtype
+from .vae_plan import ROWS, DecodePlan, Placement, TracedVae, split_plan
+from .vae_wan import WanPlan
 
-__all__ = ["AXIS", "COLUMNS", "KV_BUCKET", "MIN_STRIPS", "PLANS", "ROWS", "WAN_FRAMES_PER_CALL",
-           "WAN_UPSCALE", "JaxVaeDecoder", "conv_operand_dtype", "family", "make_mesh", "mesh_size",
-           "plan_for", "split_plan", "strip_grid"]
+__all__ = ["PLANS", "JaxVaeDecoder", "family", "plan_for"]
 
 # the decode plan of each VAE class, by its class name
 PLANS: dict[str, type[DecodePlan]] = {plan.vae_class: plan
@@ -176,7 +173,7 @@ class JaxVaeDecoder:
             n, self.split = split_plan(h, w, self.mesh.size)
             if n != self.mesh.size:
                 raise ValueError(f"a latent of {h} x {w} splits over no {self.mesh.size} devices "
-                                 f"by rows or columns; use {n} (tpu.vae.split_plan)")
+                                 f"by rows or columns; use {n} (tpu.vae_plan.split_plan)")
         self.strips = self.plan.strips(h, w, self.mesh, self.split)
         key = self.plan.key(tuple(latent_shape))
         if key not in self._programs:

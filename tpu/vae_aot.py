@@ -78,8 +78,9 @@ def run(args) -> dict:
     from jax.sharding import Mesh
 
     from sharding.device_order import device_grid
+    from tpu.vae_plan import AXIS, ROWS, split_plan
 
-    from .vae import AXIS, ROWS, JaxVaeDecoder, split_plan
+    from .vae import JaxVaeDecoder
     rows, split = split_plan(latent_shape[3], latent_shape[4], len(devices))
     mesh = Mesh(device_grid((rows,), devices[:rows]), (AXIS,))  # as tpu.vae_plan.make_mesh
     decoder = JaxVaeDecoder(vae, mesh, abstract=True, frames_per_call=per_call)
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", default=None, help="video width (default: the pipeline's)")
     p.add_argument("--video_length", default=None, help="frames (default: the pipeline's)")
     p.add_argument("--frames_per_call", default=None, help="latent frames a steady call decodes "
-                   "(Wan; default: tpu.vae.WAN_FRAMES_PER_CALL)")
+                   "(Wan; default: tpu.vae_wan.WAN_FRAMES_PER_CALL)")
     p.add_argument("--tiny", action="store_true", help="the tiny VAE of stage 3's random-weight "
                    "decode instead of the released size (a quick check of the compile path)")
     p.add_argument("--json", default=None, help="write the report here")
