@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 from bench.fixtures.videos import COLORS, DIRECTIONS, SHAPES  # noqa: E402
 from cache.config import TECHNIQUES  # noqa: E402
-from commands.generate import DECODE, DONE, ENCODE, SAMPLE  # noqa: E402
+from commands.resume import DECODE, DONE, ENCODE, SAMPLE  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.stage_io import VIDEO  # noqa: E402
 

@@ -35,7 +35,6 @@ import contextlib
 import copy
 import functools
 import gc
-import hashlib
 import json
 import os
 import sys
@@ -58,20 +57,32 @@ from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
     LATENTS,
-    PAIR_ID,
     VIDEO,
     check_writable,
     read_config,
     read_tensors,
-    settled_folder,
     write_stage,
 )
 from sampling.video_file import encode_mp4
 
 from . import batch, stage1, stage2, stage3
+from .resume import (
+    DONE,
+    ENCODE,
+    LINE_KEYS,
+    OTHER,
+    REQUEST,
+    SAMPLE,
+    STATES,
+    STRIP,
+    UNCACHED_VIDEO,
+    agree,
+    folder_state,
+    request_id,
+    resuming,
+)
 
 ERRORS = (*stage1.ERRORS, *stage2.ERRORS, *stage3.ERRORS)
-LINE_KEYS = ("prompt", "negative_prompt", "image", "audio", "seed")
 MAX_PROMPTS = 10_000
 
 
@@ -197,101 +208,6 @@ def _root(output_dir: str | None) -> str:
     return output_dir if output_dir is not None else "outputs"
 
 
-# --- resuming: what each prompt's folder already holds for this very request -------------------
-
-REQUEST = "request_id"  # in every stage's generation_config.json: the request the files answer
-# what a prompt still needs, from least to most work
-DONE, DECODE, SAMPLE, ENCODE = "done", "decode", "sample", "encode"
-STATES = (DONE, DECODE, SAMPLE, ENCODE)
-OTHER = "other"  # made by another worker of the batch while this one ran
-# flags that change no output: where files go, what is printed, how the run is launched
-_NOT_REQUEST = {"help_all", "quiet", "verbose", "summary_json", "prompt", "prompts", "output_dir",
-                "input_dir", "overwrite", "multihost", "coordinator_address", "num_processes",
-                "process_id", "no_progress", "telemetry_json", "telemetry_csv", "tensorboard_dir",
-                "plot_png", "compile_cache_dir", "warmup_steps", "claims_dir", "claim_lease"}
-_PATHS = {"image", "audio", "model_path", "encoder_path", "vae_path", "budget_profile",
-          "magcache_profile"}
-_HASHED = 64 << 20  # files up to this size are known by their bytes, larger ones (checkpoints)
-# by size and modification time
-
-
-def _identity(path: str | None):
-    """What a path's contents are, as far as a rerun can tell cheaply."""
-    if path is None:
-        return None
-    real = os.path.realpath(path)
-    try:
-        if os.path.isdir(real):
-            return [real, sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
-                                 for e in os.scandir(real) if e.is_file())]
-        st = os.stat(real)
-        if st.st_size > _HASHED:
-            return [real, st.st_size, st.st_mtime_ns]
-        with open(real, "rb") as f:
-            return [real, hashlib.sha256(f.read()).hexdigest()]
-    except OSError:
-        return [real, None]
-
-
-def request_id(args, entry: dict, seed: int, model: str) -> str:
-    """One prompt's request: its line, seed and model and every flag that changes an output
-    (the files named by flags or lines as their contents), as a short hash."""
-    flags = {k: _identity(v) if k in _PATHS else v for k, v in sorted(vars(args).items())
-             if k not in _NOT_REQUEST}
-    line = {k: _identity(entry.get(k)) if k in _PATHS else entry.get(k) for k in LINE_KEYS}
-    text = json.dumps({"flags": flags, "line": line, "seed": seed, "model": model},
-                      sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def folder_state(folder: str, request: str, compare: bool) -> str:
-    """What `folder` still needs for `request`: DONE (its video), DECODE (its latents), SAMPLE
-    (its embeddings) or ENCODE (nothing of this request). An interrupted commit is finished
-    first, so a kill mid-write reads as the old or the new files, never half of them."""
-    if not os.path.isdir(folder):
-        return ENCODE
-    try:
-        with settled_folder(folder):
-            config = read_config(folder)
-    except (OSError, StageFileError):
-        return ENCODE
-    if config.get(REQUEST) != request:
-        return ENCODE
-    has = {name: os.path.isfile(os.path.join(folder, name))
-           for name in (EMBEDDINGS, LATENTS, VIDEO, UNCACHED_VIDEO, STRIP)}
-    if "output_video" in config and has[VIDEO] and (not compare or (has[UNCACHED_VIDEO]
-                                                                    and has[STRIP])):
-        return DONE
-    if PAIR_ID in config:  # stage 2's config: its latents (the pair is checked when read)
-        # --compare decodes the uncached latents too, which only a sampling run holds
-        return DECODE if has[LATENTS] and not compare else ENCODE
-    return SAMPLE if has[EMBEDDINGS] else ENCODE
-
-
-def _agree(states: list[str], multihost: bool) -> list[str]:
-    """Process 0's reading of the folders, on every process of a multi-host job (stage 2 is one
-    collective computation: every host must sample the same prompts)."""
-    if not multihost:
-        return states
-    import jax
-    if jax.process_count() == 1:
-        return states
-    from jax.experimental import multihost_utils
-    codes = multihost_utils.broadcast_one_to_all(
-        np.asarray([STATES.index(s) for s in states], np.int32))
-    return [STATES[int(c)] for c in np.asarray(codes)]
-
-
-def _resuming(states: list[str]) -> str | None:
-    counts = {s: states.count(s) for s in STATES}
-    if counts[ENCODE] == len(states):
-        return None
-    n = len(states)
-    return (f"resuming: {counts[DONE]} of {n} prompt(s) skipped (their video is there), "
-            f"{counts[DECODE]} decoded from their latents, {counts[SAMPLE]} sampled from their "
-            f"embeddings, {counts[ENCODE]} from the start (--overwrite redoes them all)")
-
-
 # --- the job -----------------------------------------------------------------------------------
 
 def run(args) -> dict:
@@ -344,7 +260,7 @@ def run(args) -> dict:
         from tpu.compile import cache_dir_of, enable_compile_cache
         from tpu.distributed import initialize
         initialize(args.coordinator_address, args.num_processes, args.process_id)
-        # the processes agree on each prompt's state (`_agree`, a psum) before stage 2 turns
+        # the processes agree on each prompt's state (`resume.agree`, a psum) before stage 2 turns
         # the persistent cache on: without it there, that program compiled again on every run
         enable_compile_cache(cache_dir_of(args.compile_cache_dir))
     writer = stage2.backend_writer(args.multihost)
@@ -414,9 +330,9 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool,
     n = len(jobs)
     states = [ENCODE] * n if settings.overwrite else [
         folder_state(j.folder, j.id, settings.compare) for j in jobs] if writer else [ENCODE] * n
-    for job, state in zip(jobs, _agree(states, settings.multihost), strict=True):
+    for job, state in zip(jobs, agree(states, settings.multihost), strict=True):
         job.state = job.found = state
-    note = _resuming([j.state for j in jobs])
+    note = resuming([j.state for j in jobs])
     if note:
         _say(writer, note)
 
@@ -555,10 +471,6 @@ class _Decoder:
             if also is not None:
                 also.discard()
         return out
-
-
-UNCACHED_VIDEO = "output_video_uncached.mp4"
-STRIP = "compare_strip.png"
 
 
 def _write_compare(folder: str, cached, uncached, fps: float) -> None:

@@ -73,20 +73,15 @@ class Claims:
     # --- reading ------------------------------------------------------------------------------
 
     def _attempts(self, key: str) -> list[tuple[int, str, bool]]:
-        """(n, path, released) of every attempt at `key`, oldest first."""
-        found: dict[int, list] = {}
-        prefix = key + "."
-        for name in os.listdir(self.dir):
-            if not name.startswith(prefix):
-                continue
-            rest = name[len(prefix):]
-            released = rest.endswith(RELEASED)
-            number = rest[:-len(RELEASED)] if released else rest
-            if not number.isdigit():
-                continue
-            entry = found.setdefault(int(number), [os.path.join(self.dir, prefix + number), False])
-            entry[1] = entry[1] or released
-        return [(n, path, released) for n, (path, released) in sorted(found.items())]
+        """(n, path, released) of every attempt at `key`, oldest first. Attempts are made one
+        after another by exclusive create and never removed, so they are 1, 2, ... with no gap:
+        a few stats a key, not a listing of the whole folder (a batch of thousands of prompts)."""
+        found = []
+        while True:
+            path = os.path.join(self.dir, f"{key}.{len(found) + 1}")
+            if not os.path.exists(path):
+                return found
+            found.append((len(found) + 1, path, os.path.exists(path + RELEASED)))
 
     def _who(self, path: str) -> dict | None:
         try:
@@ -96,12 +91,9 @@ class Claims:
             return None  # being written this instant (the create and the write are two steps)
 
     def _alive(self, path: str, who: dict | None) -> bool:
-        if who is None:  # made but not yet written: young, so live
-            try:
-                return time.time() - os.stat(path).st_mtime < self.lease
-            except FileNotFoundError:
-                return False
-        if who.get("host") == self.host:
+        """On this host, whether its process lives; elsewhere (or made but not yet written),
+        whether its heartbeat is younger than the lease."""
+        if who is not None and who.get("host") == self.host:
             return _pid_alive(int(who["pid"]), who.get("process_start"))
         try:
             return time.time() - os.stat(path).st_mtime < self.lease

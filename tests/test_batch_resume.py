@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from commands import generate, stage1, stage2
-from commands.generate import DECODE, DONE, ENCODE, SAMPLE, folder_state
+from commands.resume import DECODE, DONE, ENCODE, REQUEST, SAMPLE, folder_state
 from sampling.errors import StageFileError
 from sampling.one_writer import LOCK, one_writer
 from sampling.stage_io import CONFIG, LATENTS, VIDEO, read_config
@@ -84,14 +84,14 @@ def test_what_a_folder_still_needs_is_read_from_its_files(reference, tmp_path):
     report = _run(_prompts(tmp_path), case, summary=tmp_path / "s.json")
     assert report["states"] == [DONE] * 4
     config = read_config(str(case / "001"))
-    request = config[generate.REQUEST]
+    request = config[REQUEST]
     assert folder_state(str(case / "001"), request, compare=False) == DONE
     assert folder_state(str(case / "001"), request, compare=True) == ENCODE  # no uncached video
     assert folder_state(str(case / "001"), "another request", compare=False) == ENCODE
     assert folder_state(str(tmp_path / "missing"), request, compare=False) == ENCODE
     (case / "002" / VIDEO).unlink()
     # stage 3's config says the video is there; with the video gone the latents are decoded
-    assert folder_state(str(case / "002"), read_config(str(case / "002"))[generate.REQUEST],
+    assert folder_state(str(case / "002"), read_config(str(case / "002"))[REQUEST],
                         compare=False) == DECODE
     report = _run(_prompts(tmp_path), case, summary=tmp_path / "s.json")
     assert report["states"] == [DONE, DECODE, DONE, DONE]
@@ -213,7 +213,7 @@ def test_a_prompt_whose_folder_another_request_wrote_is_not_published(tmp_path):
     must carry its own request id."""
     folder = tmp_path / "010"
     folder.mkdir()
-    (folder / CONFIG).write_text(json.dumps({generate.REQUEST: "someone-else"}))
+    (folder / CONFIG).write_text(json.dumps({REQUEST: "someone-else"}))
 
     class Job:
         pass
@@ -223,7 +223,7 @@ def test_a_prompt_whose_folder_another_request_wrote_is_not_published(tmp_path):
                                              "request's .* nothing of that prompt is published"):
         generate.own_config(job, LATENTS)
     job.id = "someone-else"
-    assert generate.own_config(job, LATENTS)[generate.REQUEST] == "someone-else"
+    assert generate.own_config(job, LATENTS)[REQUEST] == "someone-else"
 
 
 def test_a_hold_ends_with_its_run_and_leaves_no_folder_it_made_empty(tmp_path):

@@ -87,7 +87,7 @@ def enable_cache(pipe, *, config: CMConfig | None = None, compile: bool = False,
         raise CacheSettingsError("remodulate recombines the residual with our Wan blocks' time "
                                  "gates, which the adapter does not split out: leave it off")
     gate = Gate(pipe, staged, config, compile=compile,
-                budget=resolved.budget if resolved is not None else None, models=models)
+                budget=resolved.budget if resolved is not None else None)
     for expert, t in transformers.items():
         install(t, gate, expert, family.staged.conds)
     _GATES[pipe] = gate
@@ -105,7 +105,7 @@ def disable_cache(pipe) -> dict | None:
 
 def cache_report(pipe_or_gate) -> dict | None:
     """The last pipeline call's figures: steps, calls computed and reused, the computed
-    fraction, the block-count ideal speedup and one estimated from its own call times, the
+    fraction, the block-count ideal speedup, the seconds spent in the transformer, the
     per-step trace, and `text`, the summary as our commands print it. None before any call."""
     gate = pipe_or_gate if isinstance(pipe_or_gate, Gate) else _GATES.get(pipe_or_gate)
     if gate is None or gate.run is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
@@ -39,10 +39,7 @@ class Run:
     """One pipeline call as the gate saw it."""
 
     steps: int
-    started: float = field(default_factory=time.perf_counter)
-    calls: int = 0
     seconds: float = 0.0  # inside the transformer calls
-    experts: list = field(default_factory=list)  # the expert of each leader call
 
 
 class Gate:
@@ -50,10 +47,10 @@ class Gate:
     backend that runs their stages, and the run in progress."""
 
     def __init__(self, pipeline, staged: dict, config: CMConfig, *, compile: bool = False,
-                 budget: dict | None = None, models: tuple[str, ...] = ()):
+                 budget: dict | None = None):
         self.pipeline, self.staged, self.config = pipeline, staged, config
         self.plan = SignalPlan.from_config(config)
-        self.compile, self.budget, self.models = compile, budget, models
+        self.compile, self.budget = compile, budget
         self.gate = CacheManager(config)
         self.backend: TorchBackend | None = None
         self.key = None  # what the backend's stages were built for
@@ -61,7 +58,6 @@ class Gate:
         self.run: Run | None = None
         self.stats = LoopStats()
         self.previous: dict[str, torch.Tensor] = {}
-        self.reports: list[dict] = []
         self.uncached: Counter = Counter()  # calls the gate did not take, by reason
 
     # --- one transformer call ------------------------------------------------------------------
@@ -71,8 +67,6 @@ class Gate:
         timesteps = getattr(scheduler, "timesteps", None)
         if timesteps is self.timesteps and self.run is not None:
             return
-        if self.run is not None:
-            self.reports.append(self.report())
         steps = len(timesteps) if timesteps is not None else 0
         self.timesteps = timesteps
         self.run, self.stats, self.previous = Run(max(steps, 1)), LoopStats(), {}
@@ -100,11 +94,7 @@ class Gate:
         out, decision = model_call(backend, self.gate, self.plan, self.stats, branch, expert,
                                    x, timestep, conds, self.previous.get(branch))
         self.previous[branch] = x
-        run = self.run
-        run.calls += 1
-        run.seconds += time.perf_counter() - began
-        if branch == self.config.leader:
-            run.experts.append(expert)
+        self.run.seconds += time.perf_counter() - began
         return out
 
     # --- what a run did ------------------------------------------------------------------------

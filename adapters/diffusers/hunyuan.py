@@ -13,11 +13,12 @@ diffusers 0.42.1's forward in that order; the TeaCache signatures are our Hunyua
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from .staged import StagedTransformer
 
 
 class HunyuanDiffusersContext(NamedTuple):
@@ -28,38 +29,17 @@ class HunyuanDiffusersContext(NamedTuple):
     token_axes = {}  # noqa: RUF012 - one device: the adapter cuts no tokens
 
 
-class HunyuanStaged(nn.Module):
+class HunyuanStaged(StagedTransformer):
     """The staged API (`sampling.stages`) over one HunyuanVideo15Transformer3DModel."""
 
+    blocks_name = "transformer_blocks"
     context_type = HunyuanDiffusersContext
     conds = ("encoder_hidden_states", "encoder_attention_mask", "timestep_r",
              "encoder_hidden_states_2", "encoder_attention_mask_2", "image_embeds")
 
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.transformer = transformer
         cfg = transformer.config
-        self.patch_size = (cfg.patch_size_t, cfg.patch_size, cfg.patch_size)
-        self.hidden_dim = cfg.num_attention_heads * cfg.attention_head_dim
-        self.num_blocks = len(transformer.transformer_blocks)
-
-    def grid(self, latent_shape) -> tuple[int, int, int]:
-        *_, frames, height, width = latent_shape
-        return tuple(n // p for n, p in zip((frames, height, width), self.patch_size, strict=True))
-
-    def sequence_length(self, grid) -> int:
-        return math.prod(grid)
-
-    def rope(self, grid, device=None):
-        shape = (1, 1, *(n * p for n, p in zip(grid, self.patch_size, strict=True)))
-        return self.transformer.rope(torch.empty(shape, device=device))  # reads the shape only
-
-    def block_of(self, name: str) -> int | None:
-        head = "transformer.transformer_blocks."
-        return int(name[len(head):].split(".", 1)[0]) if name.startswith(head) else None
-
-    def time_gates(self, ctx):
-        return None
+        super().__init__(transformer, (cfg.patch_size_t, cfg.patch_size, cfg.patch_size))
 
     def prepare(self, x, t, encoder_hidden_states, encoder_attention_mask, timestep_r=None,
                 encoder_hidden_states_2=None, encoder_attention_mask_2=None, image_embeds=None,

@@ -7,9 +7,6 @@ def format_report(r: dict) -> str:
     lines = [f"cache gate: {r['steps']} steps, {r['calls']} transformer calls: computed "
              f"{r['computed']}, reused {r['reused']} ({100 * (r['computed_fraction'] or 0):.0f}% "
              f"computed), ideal speedup {r['ideal_speedup'] or 1:.2f}x by block count"]
-    est = r.get("estimated_speedup")
-    if est is not None:
-        lines[0] += f", {est:.2f}x estimated from this run's call times"
     steps = {}
     for row in r["trace"]:
         steps.setdefault(row["step"], []).append("R" if row["action"] == "skip" else "C")

@@ -72,7 +72,7 @@ class Settings:
     budget: dict | None = None
 
 
-def resolve(settings: dict, models: tuple[str, ...], steps_note: str = "") -> Settings:
+def resolve(settings: dict, models: tuple[str, ...]) -> Settings:
     """The CMConfig of keyword `settings` for a transformer that is one of our `models` (the
     pipelines whose architecture its config has). CacheSettingsError names what is wrong."""
     given = dict(settings)

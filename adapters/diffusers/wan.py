@@ -11,11 +11,12 @@ signatures are those of our Wan (modules/wan.py `signature`) read off diffusers'
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from .staged import StagedTransformer
 
 
 class WanDiffusersContext(NamedTuple):
@@ -29,38 +30,15 @@ class WanDiffusersContext(NamedTuple):
     token_axes = {}  # noqa: RUF012 - one device: the adapter cuts no tokens
 
 
-class WanStaged(nn.Module):
+class WanStaged(StagedTransformer):
     """The staged API (`sampling.stages`) over one WanTransformer3DModel."""
 
+    blocks_name = "blocks"
     context_type = WanDiffusersContext
     conds = ("encoder_hidden_states", "encoder_hidden_states_image")  # forward kwargs it reads
 
     def __init__(self, transformer: nn.Module):
-        super().__init__()
-        self.transformer = transformer
-        cfg = transformer.config
-        self.patch_size = tuple(cfg.patch_size)
-        self.hidden_dim = cfg.num_attention_heads * cfg.attention_head_dim
-        self.num_blocks = len(transformer.blocks)
-
-    def grid(self, latent_shape) -> tuple[int, int, int]:
-        *_, frames, height, width = latent_shape
-        return tuple(n // p for n, p in zip((frames, height, width), self.patch_size, strict=True))
-
-    def sequence_length(self, grid) -> int:
-        return math.prod(grid)
-
-    def rope(self, grid, device=None):
-        # diffusers' rope reads the latent's shape only
-        shape = (1, 1, *(n * p for n, p in zip(grid, self.patch_size, strict=True)))
-        return self.transformer.rope(torch.empty(shape, device="meta"))
-
-    def block_of(self, name: str) -> int | None:
-        head = "transformer.blocks."
-        return int(name[len(head):].split(".", 1)[0]) if name.startswith(head) else None
-
-    def time_gates(self, ctx):
-        return None  # the remodulated residual is ours alone (`CMConfig.remodulate`)
+        super().__init__(transformer, transformer.config.patch_size)
 
     def prepare(self, x, t, encoder_hidden_states, encoder_hidden_states_image=None, rope=None):
         m = self.transformer
