@@ -16,28 +16,28 @@ figure of the page is printed from the reports, or is the anchor's.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
-import subprocess
 import sys
-import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.tpu_aot_decode import DECODE_ROWS, bound_of, decode_lines  # noqa: E402
+from bench.tpu_aot_reports import (  # noqa: E402
+    BEFORE,
+    COMPILED,
+    OUT,
+    GiB,
+    load_or_run,
+    per_device,
+    read_report,
+    version,
+    wrap,
+)
 from sampling.journal import atomic_write  # noqa: E402
 from tpu.attention import BLOCK_Q, BLOCKS_BY_KIND  # noqa: E402
 from tpu.topology import CHIPS  # noqa: E402
-from tpu.vae_aot import dtype_label, strips_label  # noqa: E402  (decode cells, as it prints them)
-from tpu.vae_strips import MIN_STRIPS  # noqa: E402
-
-OUT = ROOT / "bench" / "results" / "tpu_aot"
-BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a scan
-ONE_PROGRAM = OUT / "one_program"  # decode reports from before each call became a chain
-GiB = 2**30
 
 # (row name, command arguments): every named real-size pipeline at its default size and default
 # weight layout (FSDP on several chips), beside the alternatives it was chosen over; DeepCache at
@@ -81,52 +81,6 @@ ROWS = [
     # maxdiffusion's v7x-8 split (V7X_ANCHOR): the two guidance branches on 2 x 4 devices
     ("a14b-v7x8-cfg", "--model wan2.2-i2v-a14b --topology v7x:2x2x1 --sp_size 4 --cfg_parallel"),
 ]
-# Stage 3: each pipeline's VAE decode at its default size (stage 3's default fp32), beside the
-# stage-2 row whose roofline run it is measured against
-DECODE_ROWS = [
-    ("vae-ti2v5b-v6e8", "--model wan2.2-ti2v-5b --topology v6e:2x4", "ti2v5b-v6e8"),
-    ("vae-ti2v5b-v6e8-bf16", "--model wan2.2-ti2v-5b --topology v6e:2x4 --dtype bf16",
-     "ti2v5b-v6e8"),
-    ("vae-ti2v5b-v5e8", "--model wan2.2-ti2v-5b --topology v5e:2x4", "ti2v5b-v5e8"),
-    ("vae-ti2v5b-v5p4", "--model wan2.2-ti2v-5b --topology v5p:2x2x1", "ti2v5b-v5p4"),
-    ("vae-a14b-v6e8", "--model wan2.2-i2v-a14b --topology v6e:2x4", "a14b-v6e8"),
-    ("vae-a14b-v5e8", "--model wan2.2-i2v-a14b --topology v5e:2x4", "a14b-v5e8"),
-    ("vae-a14b-v5p4", "--model wan2.2-i2v-a14b --topology v5p:2x2x1", "a14b-v5p4"),
-    ("vae-ti2v5b-v7x8", "--model wan2.2-ti2v-5b --topology v7x:2x2x1", "ti2v5b-v7x8"),
-    ("vae-a14b-v7x8", "--model wan2.2-i2v-a14b --topology v7x:2x2x1", "a14b-v7x8"),
-    ("vae-hy15-720p-v6e8", "--model hunyuanvideo-1.5-720p_t2v --topology v6e:2x4", "hy15-720p-v6e8"),
-    ("vae-hy15-480p-v6e8", "--model hunyuanvideo-1.5-480p_t2v --topology v6e:2x4",
-     "hy15-480p-t2v-v6e8"),
-    ("vae-hy15-720p-v5e8", "--model hunyuanvideo-1.5-720p_t2v --topology v5e:2x4", "hy15-720p-v5e8"),
-    ("vae-hy15-720p-v5p4", "--model hunyuanvideo-1.5-720p_t2v --topology v5p:2x2x1", "hy15-720p-v5p4"),
-]
-DECODE_SHARE = 0.10  # the decode's roofline against the stage-2 run's, at most
-DECODE_TRAFFIC = (
-    "On a TPU the fp32 Wan decoders round each convolution's input and weight to bf16 in the "
-    "program and sum in fp32 (`tpu.vae_wan.conv_operand_dtype`): what the TPU's DEFAULT precision "
-    "does to an fp32 convolution anyway, stated where the operands are made, so the weights, the "
-    "carried caches and every convolution's input move half the bytes (\"conv operands bf16\" in "
-    f"the decode cell). And each chip's band of the frame runs as a batch of at least {MIN_STRIPS} "
-    "strips (`tpu.vae_strips.strip_grid`; the cell says the grid): of a convolution with a smaller batch, "
-    f"libtpu's space-to-batch pass makes {MIN_STRIPS} batches of the frame's width, so every "
-    "convolution's input was padded and relaid out into them and its fp32 output copied back for "
-    "the norm that reads it. Turning the pass off by flags instead cut one convolution's traffic "
-    "but slowed its compile many times over, and the whole decode did not finish compiling. Each "
-    "strip's zero padding is its halo, gathered by strip index from the neighbours' border lines "
-    "(collective-permutes of those lines between chips) and written with the strip once (its "
-    "first form split the batch axis into the strip grid, and XLA relaid the strips out several "
-    "times a convolution; the other Wan rows were compiled with an equivalent earlier form of the "
-    "halo); the upsamplers' 3x3 convolutions run as 1x3x3 3-D ones without folding the frames into "
-    "the batch, and Wan2.2's shortcut upsampler repeats pixels instead of transposing its output. "
-    "Each of these cut the steady call's bytes accessed and its HBM traffic.")
-DECODE_FRAMES = (
-    "Two latent frames per steady call (`--frames_per_call 2`, measured before the halo's last "
-    "form) accessed fewer bytes a frame but moved more HBM traffic a frame, so one stays the "
-    "default. Whether a TPU runs these programs as the roofline says, and whether its numbers "
-    "equal the fp32 program's, stay to be measured on a slice.")
-# the decode rows the figures under the decode table are printed from
-DECODE_DETAIL, DECODE_SECOND = "vae-ti2v5b-v6e8", "vae-a14b-v6e8"
-CACHE = "--enable_cache"  # DeepCache: a schedule known before the run, so the roofline is exact
 # reports compiled before tpu.aot read past the splash kernel's multi-line metadata (a line of it
 # starting `}},` ended the computation: every program's collectives after its first kernel were
 # dropped); drop a row from here once it is compiled again
@@ -142,7 +96,6 @@ V7X_ANCHOR = ("maxdiffusion's v7x-8 figure (its README's ring-attention table; t
               "A14B (by its 40 steps; T2V or I2V not stated) at 720p, 81 frames, 40 steps, CFG on 2 "
               "x context 4, 194.4 s end to end with Tokamax flash attention")
 V7X_ROWS = ("a14b-v7x8", "a14b-v7x8-cfg")  # the rows set beside it
-COMPILED = "compiled"  # the report's record of when, on how many cores and at what load (run_row)
 # what became of the v7x decode rows, while they have no report
 V7X_DECODE = ("The v7x decode rows have no report: the one compile tried (vae-ti2v5b-v7x8, as one "
               "program) was stopped before it finished, on this machine shared with other jobs.")
@@ -160,7 +113,7 @@ def v7x_lines() -> list[str]:
     """What a v7x row's figures are per (a device: half a chip), where they come from, and the
     I2V-A14B rows' rooflines beside maxdiffusion's v7x-8 figure (from the reports present)."""
     chip = CHIPS["v7x"]
-    text = (f"v7x (TPU7x, Ironwood): libtpu {_version('libtpu')} knows the v7x-8 slice as tpu7x:2x2x1 "
+    text = (f"v7x (TPU7x, Ironwood): libtpu {version('libtpu')} knows the v7x-8 slice as tpu7x:2x2x1 "
             "(it refuses v7x:2x2x1, which `tpu.topology` translates) and gives 8 devices for its 4 "
             f"chips, one per TensorCore (device_kind {chip.device_kind}, two at each chip's "
             "coordinates), so the v7x rows run sp 8 (or cfg 2 x sp 4) and every per-chip figure of "
@@ -193,48 +146,7 @@ def v7x_lines() -> list[str]:
                  + " (stage 1, the decode and the whole job: bench/results/whole_job.md).")
     if not any(read_report(name) for name, *_ in DECODE_ROWS if "v7x" in name):
         text += " " + V7X_DECODE
-    return _wrap(text)
-
-
-def _version(package: str) -> str:
-    """The installed version: the reports do not record the compiler they were compiled with."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def read_report(name: str, folder: Path = OUT) -> dict | None:
-    """A `tpu.aot` / `tpu.vae_aot` report this bench kept, None if there is none."""
-    path = folder / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _wrap(text: str) -> list[str]:
-    """A paragraph as the page's lines (names with hyphens kept whole)."""
-    return textwrap.wrap(text, 92, break_on_hyphens=False, break_long_words=False)
-
-
-def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
-    """One row's report: `python -m <module> <args> --json`, reused unless `rerun`."""
-    path = OUT / f"{name}.json"
-    if path.exists() and not rerun:
-        return json.loads(path.read_text())
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    began, load_start = time.perf_counter(), os.getloadavg()[0]
-    extra = CACHE.split() if module == "tpu.aot" else []
-    out = subprocess.run([sys.executable, "-m", module, *args.split(), *extra, "--json", str(path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"{name}: {module} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    atomic_write(str(OUT / f"{name}.txt"), lambda f: f.write(out.stdout))
-    print(f"{name}: {time.perf_counter() - began:.0f} s", file=sys.stderr)
-    # compile seconds mean little without the machine's state: the page prints this record
-    report = json.loads(path.read_text())
-    report[COMPILED] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-                        "load_start": round(load_start, 2), "load_end": round(os.getloadavg()[0], 2)}
-    atomic_write(str(path), lambda f: f.write(json.dumps(report, indent=1) + "\n"))
-    return report
+    return wrap(text)
 
 
 def compiled_lines(names: list[str]) -> list[str]:
@@ -256,140 +168,7 @@ def compiled_lines(names: list[str]) -> list[str]:
             + ("; ".join(recorded) if recorded else "no report records it yet")
             + (f". Reports from before the record was kept: {', '.join(unrecorded)}" if unrecorded
                else "") + ".")
-    return _wrap(text)
-
-
-def _decode_compile(name: str, r: dict) -> tuple[str, str]:
-    """(compile s, roofline s) cells: with a chain of block programs, how many distinct ones and
-    the longest compile among them; after the one-program report (ONE_PROGRAM) where the row
-    had one, "before -> after"."""
-    compile_s, roofline = f"{r['compile_seconds']:.0f}", f"{r['roofline_seconds']:.2f}"
-    if "programs_compiled" in r:
-        compile_s += (f" ({r['programs_compiled']} programs, the longest "
-                      f"{r['program_compile_seconds']:.0f})")
-        before = read_report(name, ONE_PROGRAM)
-        if before is not None:
-            compile_s = f"{before['compile_seconds']:.0f} -> {compile_s}"
-            roofline = f"{before['roofline_seconds']:.2f} -> {roofline}"
-    return compile_s, roofline
-
-
-def decode_line(name: str, r: dict, stage2: dict | None) -> str:
-    m, chip = r["memory"], r["chip"]
-    compile_s, roofline = _decode_compile(name, r)
-    verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
-               else f"NO (over by {-m['headroom'] / GiB:.1f})")
-    steady = r["programs"].get("steady", {})
-    if stage2 is None:
-        run2, share = "no report", "-"
-    else:
-        run2 = f"{stage2['seconds']['run_cached']:.1f}"
-        share = _share(r["roofline_seconds"], stage2["seconds"]["run_cached"])
-    # the same with every program's HBM bound from its HBM traffic (tpu.hbm), both stages
-    traffic2 = (stage2 or {}).get("seconds", {}).get("traffic")
-    if r.get("roofline_seconds_traffic") is None:
-        t_roof, t_share = "-", "not counted"
-    else:
-        t_roof = f"{r['roofline_seconds_traffic']:.2f}"
-        t_share = "stage 2 not counted" if traffic2 is None else \
-            f"{_share(r['roofline_seconds_traffic'], traffic2['run_cached'])} of " \
-            f"{traffic2['run_cached']:.1f} s"
-    return (f"| {r['model']} ({r['vae']}, {dtype_label(r)}) | {r['topology']} ({chip['name']}) | "
-            f"{r['devices']} of {r['chips']}{'' if _per_device(chip) == '' else ' devices'} "
-            f"({r.get('split', 'rows')}{strips_label(r)}) | "
-            f"{' x '.join(map(str, r['video_shape'][2:]))} | {verdict} | "
-            f"{m['total'] / GiB:.2f} ({m['weights'] / GiB:.2f} weights) | {compile_s} "
-            f"| {r['tflop']:.0f} | {1e3 * steady.get('roofline', 0):.0f} "
-            f"({max(('compute', 'hbm', 'ici'), key=lambda k: steady.get(k, 0))}) | "
-            f"{roofline} | {run2} | {share} | {t_roof} | {t_share} |")
-
-
-def _share(decode: float, stage2: float) -> str:
-    frac = decode / stage2
-    return f"{frac:.1%} ({'met' if frac <= DECODE_SHARE else 'NOT met'})"
-
-
-def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
-    lines = [
-        "## Stage 3: the VAE decode on the same slices",
-        "",
-        "`python bench/tpu_aot.py` (each row: `python -m tpu.vae_aot <row arguments>`). The",
-        "pipeline's released VAE built on the meta device, its decode traced by `tpu.vae` as stage 3",
-        "runs it on JAX (a first call for latent frame 0, a steady one for each further latent",
-        "frame with the causal caches carried, each call a chain of block programs that blocks",
-        "alike share: `tpu/vae_chain.py`; the frame split by rows, or by columns where the",
-        "rows do not divide, over the largest divisor of the chip count that divides them:",
-        "`tpu.vae_plan.split_plan`, and for Wan each chip's band run as a batch of strips:",
-        "`tpu.vae_strips.strip_grid`), in fp32 as stage 3's default unless the row says bf16, compiled for",
-        "the slice. Per chip: GiB of the whole decode (weights, carried caches and inputs, the",
-        "program's temporaries and outputs, and the previous video chunk on its way to the host),",
-        "TFLOP of the whole clip, the steady program's roofline (its bound), the clip's roofline",
-        "(first + steady per further latent frame), and its share of the stage-2 run's roofline",
-        f"with the default cache schedule (the table above); the goal is at most {DECODE_SHARE:.0%}.",
-        "The last two columns take each program's HBM bound from its HBM traffic instead (both",
-        "stages; see below the table).",
-        "",
-        "| decode | slice | chips used (split) | video (frames x H x W) | fits (GiB left) | GiB per "
-        "chip | compile s | TFLOP per chip | steady ms (bound) | roofline s | stage-2 run s, cached "
-        "| share | roofline s, HBM traffic | share, HBM traffic |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    missing = []
-    for name, row_args, stage2_name in DECODE_ROWS:
-        report = _load_or_run(name, row_args, compiles(name), rerun, "tpu.vae_aot")
-        if report is None:
-            missing.append(name)
-            continue
-        lines.append(decode_line(name, report, read_report(stage2_name)))
-    lines += ["", f"Compile seconds: on this {os.cpu_count()}-core machine. `a -> b`: a with each "
-              "decoder call compiled as one program (the reports kept under `tpu_aot/one_program/`), "
-              "b as a chain of block programs, a compile per pair of cores (one at a time here, "
-              "except where the row says two); in brackets how many distinct programs and the "
-              "longest of their compiles, about the decode's compile on a host with a core pair for "
-              "each (a Cloud TPU VM host has many times this machine's cores: bench/whole_job.py's "
-              "HOSTS); the roofline cell the same way. "
-              "One-program rows: the Wan rows were compiled one evening, as strips, "
-              "two at a time; the HunyuanVideo-1.5 v6e-8 row earlier beside other jobs (that older "
-              "report counts the encoder's weights too in GiB per chip), its v5e-8 and v5p-4 rows "
-              "that evening beside one other job.", "",
-              DECODE_TRAFFIC, *decode_figures(), "", DECODE_FRAMES]
-    if missing:
-        lines += ["", f"Not compiled yet (no report): {', '.join(missing)}; `python bench/tpu_aot.py "
-                  f"--decode_only --only {','.join(missing)}` adds them."]
-    return lines + [""]
-
-
-def _bound(program: dict) -> str:
-    return max(("compute", "hbm", "ici"), key=lambda k: program.get(k, 0))
-
-
-def decode_figures() -> list[str]:
-    """The detailed decode's steady call and the second decode's totals, from their reports (each
-    sentence only where its report is there)."""
-    out = []
-    r = read_report(DECODE_DETAIL)
-    if r is not None and r.get("roofline_seconds_traffic") is not None:
-        st = r["programs"]["steady"]
-        why = {"compute": f"the call's {st['flops'] / 1e12:.2f} TFLOP", "hbm": "its HBM traffic",
-               "ici": "its collectives"}[_bound(st["traffic"])]
-        out.append(
-            f"The {r['model']} {r['dtype']} decode on {r['topology']}, per steady call per chip "
-            f"(`python -m tpu.vae_aot --model {r['model']} --topology {r['topology']} --hlo_dir D`, "
-            f"then `python -m tpu.hbm D/steady.txt`): {st['bytes_accessed'] / 1e9:.1f} GB accessed, "
-            f"{st['hbm_bytes'] / 1e9:.1f} GB of HBM traffic; {1e3 * st['roofline']:.1f} ms a call by "
-            f"bytes accessed, {1e3 * st['traffic']['roofline']:.1f} ms by traffic, where {why} bound "
-            f"it. The whole decode: {r['roofline_seconds']:.2f} s by bytes accessed, "
-            f"{r['roofline_seconds_traffic']:.2f} s by traffic, {r['memory']['total'] / GiB:.2f} GiB "
-            "per chip.")
-    r = read_report(DECODE_SECOND)
-    if r is not None and r.get("roofline_seconds_traffic") is not None:
-        rows, cols = r.get("strips", (1, 1))
-        out.append(
-            f"The {r['model']} decode on {r['topology']} ({rows} x {cols} strips a band): "
-            f"{r['roofline_seconds']:.2f} / {r['roofline_seconds_traffic']:.2f} s by bytes accessed "
-            f"/ by traffic, with {r['programs']['steady']['temp_bytes'] / GiB:.1f} GiB of "
-            "temporaries per chip in its steady call.")
-    return ["", " ".join(out)] if out else []
+    return wrap(text)
 
 
 def _compile_cell(name: str, r: dict) -> str:
@@ -416,18 +195,11 @@ def row_line(name: str, args: str, r: dict) -> str:
     verdict = (f"fits ({m['headroom'] / GiB:.1f} left)" if m["fits"]
                else f"NO (over by {-m['headroom'] / GiB:.1f})")
     return (f"| {r['model']} | {r['topology']} ({chip['name']}, {chip['hbm_bytes'] / GiB:.2f} GiB"
-            f"{_per_device(chip)}) | {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} "
+            f"{per_device(chip)}) | {r['sp']}{' x cfg 2' if r.get('cfg', 1) == 2 else ''} | {weights} "
             f"| {verdict} | {m['total'] / GiB:.1f} "
             f"({m['weights'] / GiB:.1f} weights) | {_compile_cell(name, r)} | {_flops_step(r):.0f} "
             f"| {s['step_uncached']:.2f} | {sch['computed_steps']}/{sch['steps']} | "
             f"{s['step_cached']:.2f} ({s['speedup']:.2f}x) | {_traffic_cell(s.get('traffic'))} |")
-
-
-def _per_device(chip: dict) -> str:
-    """Where a JAX device is less than a chip (v7x: one TensorCore), the row's figures are per
-    device: said in its slice cell."""
-    n = chip.get("devices_per_chip", 1)
-    return "" if n == 1 else f" a device, {n} a chip"
 
 
 def _traffic_cell(t: dict | None) -> str:
@@ -461,7 +233,7 @@ def scan_figures(pairs: list[tuple[str, dict, dict]]) -> str:
             + (f"higher scanned in {', '.join(higher)}" if higher else "equal or lower in every row")
             + f" (the scan's temporaries are one block's: {n} {a['memory']['total'] / GiB:.1f} -> "
             f"{b['memory']['total'] / GiB:.1f} GiB).")
-    bound = [(n, a, b) for n, a, b in pairs if _bound(b["programs"]["middle"]) == "hbm"]
+    bound = [(n, a, b) for n, a, b in pairs if bound_of(b["programs"]["middle"]) == "hbm"]
     if bound:
         text += " Where the middle is HBM-bound, the scanned middle's bytes accessed set the step: " \
             + "; ".join(f"{n} ({b['chips']} chip{'s' * (b['chips'] > 1)}, {b['weight_sharding']} weights) "
@@ -490,7 +262,7 @@ def compile_paragraph() -> list[str]:
                     "to count their HBM traffic (their reports and figures are from that compile), so "
                     "their two scanned compiles are not compared here" if again else "")
                  + ". " + scan_figures(pairs))
-    return _wrap(text)
+    return wrap(text)
 
 
 def _hops(s: dict) -> str:
@@ -536,7 +308,7 @@ def placement_lines() -> list[str]:
             "receives over ICI per call times the mean hops of its collective's steps. The compiler's "
             "collective emitters may route a ring otherwise: hops model the traffic, they do not "
             "measure it.")
-    lines += _wrap(text)
+    lines += wrap(text)
     for name, r in rows:
         p = r["placement"]
         mesh, listed = p["orders"]["mesh"], p["orders"]["list_order"]
@@ -570,7 +342,7 @@ def placement_lines() -> list[str]:
 def header() -> list[str]:
     """The page's opening paragraphs; the machine and the compiler's versions as found here."""
     setup = (f"Compiled by libtpu for the named slice on a {os.cpu_count()}-core CPU machine without a "
-             f"TPU; jax {_version('jax')}, libtpu {_version('libtpu')} (as installed), bf16 weights "
+             f"TPU; jax {version('jax')}, libtpu {version('libtpu')} (as installed), bf16 weights "
              "with the checkpoints' fp32 islands, splash attention (Mosaic), DeepCache at the seeds' "
              "schedule. Measured: HBM of every program (the compiler's memory analysis), flops (XLA's "
              "cost analysis plus the splash kernel's work counted from its shapes), collectives "
@@ -583,7 +355,7 @@ def header() -> list[str]:
         "",
         "`python bench/tpu_aot.py` (each row: `python -m tpu.aot <row arguments> --enable_cache`;",
         "reports and the full per-program printout under `bench/results/tpu_aot/`).",
-        *_wrap(setup),
+        *wrap(setup),
         "",
         "HBM traffic (`tpu/hbm.py`, the last column): XLA's bytes accessed add up every operand and",
         "result of every instruction, wherever it lives; on a TPU the compiler's memory-space",
@@ -602,13 +374,6 @@ def header() -> list[str]:
         "| roofline s/step, HBM traffic |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-
-
-def _load_or_run(name: str, row_args: str, compile_it: bool, rerun: bool,
-                 module: str = "tpu.aot") -> dict | None:
-    """The row's report: compiled where asked (an existing one reused unless `rerun`), else the
-    report on disk, None if there is none."""
-    return run_row(name, row_args, rerun, module) if compile_it else read_report(name)
 
 
 def _parse():
@@ -640,7 +405,7 @@ def main():
 
     lines = header()
     for name, row_args in ROWS:
-        report = _load_or_run(name, row_args, compiles(name, True), args.rerun)
+        report = load_or_run(name, row_args, compiles(name, True), args.rerun)
         if report is not None:
             lines.append(row_line(name, row_args, report))
     missing = [name for name, _ in ROWS if not (OUT / f"{name}.json").exists()]

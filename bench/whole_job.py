@@ -59,7 +59,9 @@ from bench.stage1_work import (  # noqa: E402
     wav2vec2_flops,
     wav2vec2_model,
 )
-from bench.tpu_aot import DECODE_ROWS, OUT, ROWS, read_report  # noqa: E402
+from bench.tpu_aot import ROWS  # noqa: E402
+from bench.tpu_aot_decode import DECODE_ROWS  # noqa: E402
+from bench.tpu_aot_reports import OUT, read_report  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 

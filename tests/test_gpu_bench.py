@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import gpu, gpu_verdicts
+from bench import gpu, gpu_plan, gpu_verdicts
 from modules.registry import build_model
 from sampling.pipelines import get_pipeline
 
@@ -101,7 +101,7 @@ def test_unknown_phases_are_refused(tmp_path):
 
 @pytest.mark.parametrize("pixels", [(480, 832, 81), (704, 1280, 121)])
 def test_the_plans_flops_a_call_agree_with_torchs_flop_counter(pixels):
-    pipe = get_pipeline(gpu.REAL)
+    pipe = get_pipeline(gpu_plan.REAL)
     model = build_model(pipe.experts[0][1], meta=True)
     shape = pipe.latent_shape(*pixels)
     x, t = torch.empty(shape, device="meta"), torch.empty((1,), device="meta")
@@ -109,11 +109,11 @@ def test_the_plans_flops_a_call_agree_with_torchs_flop_counter(pixels):
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(x, t, context)
     counted = counter.get_total_flops()
-    assert gpu.call_flops(model.config, pipe.tokens(shape)) == pytest.approx(counted, rel=0.01)
+    assert gpu_plan.call_flops(model.config, pipe.tokens(shape)) == pytest.approx(counted, rel=0.01)
 
 
 def test_the_plan_fits_eight_minutes_with_the_token_counts_of_both_sizes():
-    plan = gpu.plan()
+    plan = gpu_plan.plan()
     assert [s["tokens"] for s in plan["sizes"]] == [21 * 15 * 26, 31 * 22 * 40]
     assert plan["total_s"] <= plan["budget_s"] == 480
     assert sum(gpu.phase_timeouts(False).values()) <= 560  # 600 a command, less the install
