@@ -53,8 +53,8 @@ from bench.pareto_workload import (  # noqa: E402
 )
 from cache import CMConfig  # noqa: E402
 from cache.flags import config_from_fields  # noqa: E402
-from commands.calibrate import bf16_rounded  # noqa: E402
 from sampling import budget  # noqa: E402
+from sampling.calibration import bf16_rounded  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 

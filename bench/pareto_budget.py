@@ -45,10 +45,10 @@ def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) ->
     evaluated), on trained weights screened and confirmed (on the draws `confirm`), written to
     `path`; returns the budget block. With `runs` (a path), every finished run is kept there and
     the runs it already holds are not run again."""
-    from commands import calibrate
-    from commands.calibration_runs import RunMemo, identity
+    from commands.calibrate import runner
     from modules.checkpoint import model_fingerprint
-    from sampling import budget
+    from sampling import budget, calibration
+    from sampling.calibration_runs import RunMemo, identity
 
     def backend(plan):
         return TorchBackend({None: wl.model}, plan)
@@ -57,17 +57,17 @@ def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) ->
         model_fingerprint(wl.model), model=wl.pipe.name, steps=wl.steps, solver=wl.pipe.solver,
         shift=wl.pipe.shift, shape=wl.shape, guidance=wl.guidance))
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
-    candidates = calibrate.measure_space(
-        backend, wl.pipe, draws, wl.shape,
-        steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift,
-        space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift), memo=memo)
-    block = calibrate.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
+    once = runner(backend, wl.pipe, wl.shape, steps=wl.steps, solver=wl.pipe.solver,
+                  shift=wl.pipe.shift)
+    candidates = calibration.measure_space(
+        once, draws, space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift), memo=memo)
+    block = calibration.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
                                    steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)
-        block = calibrate.screen_space(
-            backend, wl.pipe, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
-            wl.shape, confirm_tensors={seed: wl.reseeded(seed).tensors for seed in confirm},
-            memo=memo, models=[wl.model], calibration_tensors=draws)
+        block = calibration.screen_space(
+            once, block, {seed: wl.reseeded(seed).tensors for seed in SCREEN_SEEDS},
+            confirm_draws={seed: wl.reseeded(seed).tensors for seed in confirm},
+            memo=memo, models=[wl.model], calibration_draws=draws)
     if memo is not None and memo.reused:
         print(f"calibration: {memo.reused} runs taken from {os.path.relpath(runs)} (resumed)",
               flush=True)

@@ -59,16 +59,17 @@ def baseline(steps: int, speedup: float):
 
 
 def family_rows(family, prompts: int) -> tuple[list[str], dict]:
-    from commands import calibrate
+    from commands.calibrate import runner
+    from sampling.calibration import measure_space
 
     wl = build_workload(family)
     steps = wl.steps
     schedules = budget.run_static_schedules(wl.pipe.solver, steps, wl.pipe.shift)
     began = time.perf_counter()
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
-    candidates = calibrate.measure_space(
-        lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, draws, wl.shape, steps=steps,
-        solver=wl.pipe.solver, shift=wl.pipe.shift, space=schedules)
+    once = runner(lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, wl.shape,
+                  steps=steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
+    candidates = measure_space(once, draws, space=schedules)
     block = {"candidates": candidates}
     calibration_s = time.perf_counter() - began
     counter = our_counter(wl)

@@ -85,6 +85,13 @@ class SignalPlan:
         """Tail blocks a reuse step runs (all Bn, or the bn_ids subset)."""
         return self.bn_blocks - sum(b - a for a, b in self.tail_runs)
 
+    def computed_fraction(self, trace, blocks: int) -> float:
+        """The fraction of block evaluations a run's trace rows made (`blocks` per computed
+        call; a reuse runs the probe and the reuse tail)."""
+        reuse = self.fn_blocks + self.reuse_tail_blocks
+        ran = sum(blocks if r["action"] == "compute" else reuse for r in trace)
+        return ran / (blocks * len(trace))
+
     @property
     def cached_tail(self) -> bool:
         """A reuse step runs the cached tail (its residuals given), not the full one."""

@@ -8,6 +8,7 @@ import torch
 
 from cache import CMConfig, ConfigError, TeaCacheConfig
 from commands import calibrate
+from sampling import calibration
 from sampling.pipelines import get_pipeline
 from sampling.run import make_sample, sample_once
 from sampling.stages import SignalPlan
@@ -62,7 +63,7 @@ def test_fit_recovers_a_known_polynomial():
     x = np.linspace(0.0, 0.2, 30)
     pairs = [("high" if i % 2 else "low", float(v), float(2.0 * v * v + 0.5 * v + 0.01))
              for i, v in enumerate(x)]
-    result = calibrate.fit(pairs, degree=2)
+    result = calibration.fit(pairs, degree=2)
     assert result["coefficients"] == pytest.approx([2.0, 0.5, 0.01], abs=1e-9)
     assert result["r2"] == pytest.approx(1.0) and set(result["experts"]) == {"high", "low"}
     # the rel values each fit saw: the gate counts evaluations outside them
@@ -549,10 +550,10 @@ def test_screening_runs_every_configuration_a_target_chooses_on_the_further_draw
     shape = pipe.latent_shape(*pipe.size)
     model = calibrate.load_models(pipe, None, torch.float32)
     for key, seeds, which in (("screen", (3, 4), screened), ("confirm", (5, 6), confirmed)):
-        again = calibrate.measure_space(
-            lambda plan: TorchBackend(model, plan), pipe,
-            {seed: pipe.synthesize(shape, True, False, seed) for seed in seeds}, shape, steps=12,
-            solver=pipe.solver, shift=pipe.shift,
+        again = calibration.measure_space(
+            calibrate.runner(lambda plan: TorchBackend(model, plan), pipe, shape, steps=12,
+                             solver=pipe.solver, shift=pipe.shift),
+            {seed: pipe.synthesize(shape, True, False, seed) for seed in seeds},
             space=[(measured["candidates"][i]["label"], measured["candidates"][i]["config"])
                    for i in sorted(which)])
         for i, m in zip(sorted(which), again, strict=True):

@@ -4,8 +4,10 @@ import json
 
 import pytest
 
+from cache import CMConfig
 from commands import calibrate
-from commands.calibration_runs import RunMemo, RunsFileError
+from sampling import calibration
+from sampling.calibration_runs import RunMemo, RunsFileError
 from tests.test_calibrate import SMALL_SPACE
 
 IDENTITY = {"weights": "abc", "steps": 12}
@@ -75,18 +77,18 @@ def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkey
     runs.write_text("\n".join(lines[:5]) + "\n")
     (tmp_path / "profile.json").unlink()
     sampled = []
-    runner = calibrate._runner
+    runner = calibrate.runner
 
     def counting(*args, **kwargs):
         once = runner(*args, **kwargs)
 
         def counted(config, seed, tensors):
-            if config != calibrate.CMConfig():  # the uncached references are not runs
+            if config != CMConfig():  # the uncached references are not runs
                 sampled.append(seed)
             return once(config, seed, tensors)
         return counted
 
-    monkeypatch.setattr(calibrate, "_runner", counting)
+    monkeypatch.setattr(calibrate, "runner", counting)
     capsys.readouterr()
     assert _calibrate(tmp_path, runs) == 0
     assert len(sampled) == measured - 4
@@ -136,15 +138,15 @@ def test_the_floor_is_the_uncached_run_on_bf16_weights_and_the_weights_come_back
     memo = RunMemo(str(tmp_path / "runs.jsonl"), IDENTITY)
 
     def runner(which):
-        return calibrate._runner(lambda plan: TorchBackend(which, plan), pipe, shape, steps=6,
-                                 solver=pipe.solver, shift=pipe.shift)
+        return calibrate.runner(lambda plan: TorchBackend(which, plan), pipe, shape, steps=6,
+                                solver=pipe.solver, shift=pipe.shift)
 
-    score = calibrate._scorer(runner(models), tensors, memo, list(models.values()))
+    score = calibration.scorer(runner(models), tensors, memo, list(models.values()))
     floor = score.floor(1)
-    uncached = calibrate.CMConfig()
+    uncached = CMConfig()
     by_hand = fidelity(runner({None: rounded})(uncached, 1, tensors[1])[0],
                        runner(models)(uncached, 1, tensors[1])[0])["rel_l2"]
     assert 0.0 < floor == pytest.approx(by_hand, rel=1e-6)
     assert all(torch.equal(p, before[n]) for n, p in models[None].named_parameters())
-    assert RunMemo(str(tmp_path / "runs.jsonl"), IDENTITY).get(calibrate.FLOOR, 1) == (floor, 1.0)
-    assert calibrate._scorer(runner(models), tensors).floor is None  # no models: no chaos check
+    assert RunMemo(str(tmp_path / "runs.jsonl"), IDENTITY).get(calibration.FLOOR, 1) == (floor, 1.0)
+    assert calibration.scorer(runner(models), tensors).floor is None  # no models: no chaos check

@@ -16,6 +16,7 @@ from cache.teacache import LINEAR_THRESHOLD
 from commands import calibrate, stage2
 from commands.stage2_report import NOISE, estimate_speedup, speedup_remarks
 from modules.checkpoint import model_fingerprint
+from sampling import calibration
 from sampling.pipelines import get_pipeline
 
 COEFFICIENTS = [0.0, 0.0, 0.0, 1.0, 0.0]  # the identity: rescaled == rel
@@ -41,14 +42,14 @@ def test_a_profiles_stored_threshold_is_honoured_unless_a_flag_says_otherwise(tm
 
 
 def test_a_poor_fit_warns_and_says_what_to_do():
-    assert calibrate.fit_warnings({"r2": 0.95, "experts_r2": {}}, "modulated_input") == []
-    [w] = calibrate.fit_warnings({"r2": 0.93, "experts_r2": {"high": 0.4, "low": 0.9}},
+    assert calibration.fit_warnings({"r2": 0.95, "experts_r2": {}}, "modulated_input") == []
+    [w] = calibration.fit_warnings({"r2": 0.93, "experts_r2": {"high": 0.4, "low": 0.9}},
                                  "time_embedding")
     assert "high R^2 0.40" in w and "low" not in w.split(";")[0] and "--samples" in w
     assert "--teacache_relative true" in w
     summary = calibrate.format_summary({"calls": 10, "out": "p.json", "budget": None,
                                         "result": {"r2": 0.3, "experts_r2": {}},
-                                        "warnings": calibrate.fit_warnings(
+                                        "warnings": calibration.fit_warnings(
                                             {"r2": 0.3, "experts_r2": {}}, "modulated_input")})
     assert "warning: poor fit (overall R^2 0.30" in summary
 

@@ -46,7 +46,7 @@ def test_more_draws_must_be_a_count_of_unseen_draws(capsys, more):
 
 
 def test_bf16_rounding_rounds_every_weight_and_restores_them_and_chaotic_draws_stand_out():
-    from commands.calibrate import bf16_rounded
+    from sampling.calibration import bf16_rounded
     model = torch.nn.Linear(3, 2)
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[1.0 + 2**-12, 2.0, 3.0], [0.1, 0.2, 0.3]]))

@@ -228,7 +228,7 @@ def test_budget_draws_never_meet_an_evaluated_draw(count):
 
 def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
     # bench/pareto.py keeps its calibration's finished runs beside the page until the page is
-    # written, so a page killed after hours of calibration resumes (commands/calibration_runs.py)
+    # written, so a page killed after hours of calibration resumes (sampling/calibration_runs.py)
     from bench import pareto_budget
     from commands import calibrate
     from sampling import budget
@@ -242,7 +242,7 @@ def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
         assert len(f.read().splitlines()) == 1 + 2 * len(pw.BUDGET_SEEDS)
     def sampled_again(*_, **__):
         pytest.fail("a run the runs file holds was sampled again")
-    monkeypatch.setattr(calibrate, "_runner", lambda *_, **__: sampled_again)
+    monkeypatch.setattr(calibrate, "runner", lambda *_, **__: sampled_again)
     assert pareto_budget.budget_profile(wl, str(tmp_path / "again.json"), runs=runs) == first
 
 

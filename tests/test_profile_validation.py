@@ -18,7 +18,7 @@ import stage2_transformer_flax_deepcache as stage2
 from cache import ConfigError, TeaCacheConfig
 from cache.teacache_profiles import PolyProfile, ProfileError, load_profile_file
 from commands import calibrate
-from sampling import budget
+from sampling import budget, calibration
 from sampling.budget import BudgetError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,13 +377,13 @@ def test_calibrate_refuses_to_write_a_profile_its_loader_would_refuse(tmp_path, 
                                                                       capsys):
     """A fit that is not finite (non-finite weights) is one line and no file, not a profile that
     every later run refuses."""
-    fit = calibrate.fit
+    fit = calibration.fit
 
     def non_finite(pairs, degree):
         result = fit(pairs, degree)
         result["coefficients"][0] = math.nan
         return result
-    monkeypatch.setattr(calibrate, "fit", non_finite)
+    monkeypatch.setattr(calibration, "fit", non_finite)
     path = tmp_path / "profile.json"
     capsys.readouterr()
     assert calibrate.main(["--model", "wan-tiny-ti2v", "--samples", "1", "--num_inference_steps",

@@ -107,13 +107,13 @@ class Gate:
         computed = sum(1 for r in trace if r["action"] != "skip")
         reused = len(trace) - computed
         n = next(iter(self.staged.values())).num_blocks
-        fn, bn = self.config.probe_blocks, self.config.tail_blocks
-        blocks = computed * n + reused * (fn + bn)
+        # of the block evaluations an uncached run makes (a reuse runs the probe and the tail)
+        blocks = self.plan.computed_fraction(trace, n) if trace else None
         run = self.run
         return {"steps": run.steps if run else 0, "calls": len(trace), "computed": computed,
                 "reused": reused,
                 "computed_fraction": computed / len(trace) if trace else None,
-                "ideal_speedup": len(trace) * n / blocks if blocks else None,
+                "computed_blocks": blocks, "ideal_speedup": 1 / blocks if blocks else None,
                 "seconds_in_transformer": run.seconds if run else 0.0,
                 "expert_switches": summary.get("expert_switches", 0),
                 "failsafes": summary.get("failsafes", {}),
