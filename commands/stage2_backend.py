@@ -11,6 +11,7 @@ import torch
 from modules import ops
 from modules.checkpoint import cast_model, load_model, open_checkpoint
 from modules.registry import build_model
+from sampling.calibration import recorded_weights
 from sampling.errors import UsageError
 from sampling.run_spec import Launch, RunSpec, expert_path, gib, hidden_bytes
 
@@ -140,22 +141,17 @@ def check_profile_weights(spec: RunSpec, fingerprints_of) -> list[str]:
     if not files:
         return []
     notes = []
-    # as a profile holds them (JSON keys: expert None -> "null")
-    fingerprints = json.loads(json.dumps(fingerprints_of()))
-    for flag, path in files:
-        try:
-            with open(path) as fh:
-                recorded = json.load(fh).get("weights_fingerprint")
-        except (OSError, ValueError, AttributeError):
-            continue  # the profile's own loader has said what is wrong with it
+    fingerprints = fingerprints_of()
+    for flag, path, recorded in recorded_weights(files, fingerprints):
         if recorded is None:
             notes.append(f"{flag} {path} records no weights fingerprint (calibrated before "
                          "profiles did); it is used as if measured on these weights")
-        elif recorded != fingerprints and not spec.accept_profile:
+        elif not spec.accept_profile:
+            theirs = json.loads(json.dumps(fingerprints))
             raise UsageError(f"{flag} {path} was calibrated on other weights (fingerprint "
-                             f"{recorded}, these are {fingerprints}); calibrate on these weights, "
+                             f"{recorded}, these are {theirs}); calibrate on these weights, "
                              "or pass --accept_profile to use it anyway")
-        elif recorded != fingerprints:
+        else:
             notes.append(f"{flag} {path} was calibrated on other weights; used as asked "
                          "(--accept_profile)")
     return notes

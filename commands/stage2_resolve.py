@@ -20,6 +20,7 @@ from sampling import platforms
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
 from sampling.budget import load as budget_load
+from sampling.calibration import profile_files
 from sampling.cli import as_int, as_number
 from sampling.errors import StageFileError, UsageError
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, MAX_GUIDANCE, PIPELINES, get_pipeline
@@ -281,7 +282,7 @@ def resolve(args, given: tuple[dict, dict] | None = None) -> RunSpec:
         clips=clips, dtype=DTYPES[args.dtype or ("bf16" if args.model_path else "fp32")],
         model_path=args.model_path, tensors=tensors, stage1=stage1, image=image, prompt=prompt,
         synthetic=given is None and args.input_dir is None and prompt is None, preset=args.preset,
-        profile_files=_profile_files(args.budget_profile, config),
+        profile_files=profile_files(args.budget_profile, config),
         accept_profile=args.accept_profile, launch=from_flags(Launch, args), outputs=outputs)
 
 
@@ -387,14 +388,3 @@ def _has_image(directory):
             return "image_latents" in f.keys()
     except Exception:  # noqa: BLE001 - read_stage1 reports the unreadable file properly
         return False
-
-
-def _profile_files(budget_profile: str | None, config: CMConfig) -> tuple[tuple[str, str], ...]:
-    """(flag, path) of every calibrated profile file this run uses."""
-    files = [("--budget_profile", budget_profile)] if budget_profile else []
-    tc = config.teacache
-    if tc is not None and tc.policy.startswith("poly:") and tc.policy.endswith(".json"):
-        files.append(("--teacache_policy", tc.policy.removeprefix("poly:")))
-    if config.magcache is not None and config.magcache.profile is not None:
-        files.append(("--magcache_profile", config.magcache.profile))
-    return tuple(files)

@@ -52,13 +52,17 @@ class OutputChanges:
         self.last[branch] = host
 
 
-def collect(observed_run, draws: dict, *, steps: int):
+def collect(observed_run, draws: dict, *, steps: int | None = None):
     """([(expert, rel, output change)] over every call of every draw, MagCache's ratios:
-    branch -> one per step, step 0's 1, each the mean over the draws)."""
+    branch -> one per step, step 0's 1, each the mean over the draws). steps: of every run
+    (None: the first run's trace says)."""
     pairs, ratios = [], {}
     for seed, draw in draws.items():
         observed = OutputChanges()
-        for row in observed_run(seed, draw, observed):
+        rows = observed_run(seed, draw, observed)
+        if steps is None:
+            steps = 1 + max(row["step"] for row in rows)
+        for row in rows:
             key = (row["step"], row["branch"])
             if row["rel"] is not None and key in observed.changes:
                 pairs.append((row["expert"], row["rel"], observed.changes[key]))
@@ -272,6 +276,34 @@ def summary_lines(calls: int, result: dict, out: str, warnings=(), block=None) -
                          + (" (screened)" if "screen" in c else "")
                          + (" (confirmed)" if "confirm" in c else ""))
     return lines
+
+
+def profile_files(budget_profile: str | None, config: CMConfig) -> tuple[tuple[str, str], ...]:
+    """(flag, path) of every calibrated profile file a run with `config` uses."""
+    files = [("--budget_profile", budget_profile)] if budget_profile else []
+    tc = config.teacache
+    if tc is not None and tc.policy.startswith("poly:") and tc.policy.endswith(".json"):
+        files.append(("--teacache_policy", tc.policy.removeprefix("poly:")))
+    if config.magcache is not None and config.magcache.profile is not None:
+        files.append(("--magcache_profile", config.magcache.profile))
+    return tuple(files)
+
+
+def recorded_weights(files, fingerprints: dict):
+    """(flag, path, what the profile records) of each profile in `files` calibrated on other
+    weights than `fingerprints` (expert -> fingerprint), the record None where a profile holds
+    none (written before profiles did). A file that cannot be read is left to its loader."""
+    ours = json.loads(json.dumps(fingerprints))  # as a profile holds them (expert None: "null")
+    out = []
+    for flag, path in files:
+        try:
+            with open(path) as fh:
+                recorded = json.load(fh).get("weights_fingerprint")
+        except (OSError, ValueError, AttributeError):
+            continue  # the profile's own loader says what is wrong with it
+        if recorded != ours:
+            out.append((flag, path, recorded))
+    return out
 
 
 def write_profile(path: str, profile: dict, flag: str = "--out") -> None:

@@ -20,11 +20,13 @@ the gate's decisions).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 from cache import CMConfig
+from sampling.calibration import profile_files, recorded_weights
 
-from .families import FAMILIES, family_of, our_models
+from .families import FAMILIES, family_of, our_models, weights_fingerprint
 from .gate import Gate, install, installed, remove
 from .report import format_report
 from .settings import CacheSettingsError, resolve
@@ -34,7 +36,7 @@ __all__ = ["CacheSettingsError", "cache_report", "disable_cache", "enable_cache"
 _GATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pipeline -> its Gate
 
 
-def _transformers(pipe) -> dict:
+def transformers_of(pipe) -> dict:
     """expert -> transformer of the pipeline (Wan2.2 A14B: "high" and "low")."""
     first = getattr(pipe, "transformer", None)
     if first is None:
@@ -45,12 +47,14 @@ def _transformers(pipe) -> dict:
     return {None: first} if second is None else {"high": first, "low": second}
 
 
-def enable_cache(pipe, *, config: CMConfig | None = None, compile: bool = False, **settings):
+def enable_cache(pipe, *, config: CMConfig | None = None, compile: bool = False,
+                 accept_profile: bool = False, **settings):
     """Put the gate on `pipe`'s transformer(s); returns the gate's CMConfig. Settings are our
     cache flags without dashes, or `config` a CMConfig. CacheSettingsError (the pipeline left as
     it was) for an unsupported pipeline or transformer, unknown or contradicting settings, a
-    profile calibrated for another model."""
-    transformers = _transformers(pipe)
+    profile calibrated for another model or on other weights (accept_profile=True takes the
+    latter anyway, as --accept_profile does)."""
+    transformers = transformers_of(pipe)
     families = {e: family_of(t) for e, t in transformers.items()}
     if len(set(families.values())) != 1:
         raise CacheSettingsError("the pipeline's two transformers are of different families; "
@@ -86,6 +90,8 @@ def enable_cache(pipe, *, config: CMConfig | None = None, compile: bool = False,
     if config.remodulate:
         raise CacheSettingsError("remodulate recombines the residual with our Wan blocks' time "
                                  "gates, which the adapter does not split out: leave it off")
+    _check_profiles(transformers, family, profile_files(settings.get("budget_profile"), config),
+                    accept_profile)
     gate = Gate(pipe, staged, config, compile=compile,
                 budget=resolved.budget if resolved is not None else None)
     for expert, t in transformers.items():
@@ -94,13 +100,39 @@ def enable_cache(pipe, *, config: CMConfig | None = None, compile: bool = False,
     return config
 
 
+def _check_profiles(transformers: dict, family, files, accept: bool) -> None:
+    """Refuse a calibrated profile measured on other weights than the pipeline's (the same
+    fingerprint our checkpoints give them, so a profile of our calibrate command holds here)."""
+    if not files:
+        return
+    fingerprints = {e: weights_fingerprint(t, family) for e, t in transformers.items()}
+    if None in fingerprints.values():
+        return  # offloaded weights: nothing to compare
+    for flag, path, recorded in recorded_weights(files, fingerprints):
+        name = flag.removeprefix("--")
+        if recorded is None:
+            warnings.warn(f"{name} {path} records no weights fingerprint (calibrated before "
+                          "profiles did); it is used as if measured on these weights",
+                          stacklevel=3)
+        elif not accept:
+            raise CacheSettingsError(
+                f"{name} {path} was calibrated on other weights (fingerprint {recorded}, this "
+                f"pipeline's are {fingerprints}); calibrate on these weights "
+                "(adapters.diffusers.calibration.calibrate), or pass accept_profile=True to use it anyway")
+
+
 def disable_cache(pipe) -> dict | None:
     """Take the gate off `pipe`: its transformers' forward is theirs again (a run after this is
     bit-identical to one of a pipeline that never had it). Returns the last run's report."""
     gate = _GATES.pop(pipe, None)
-    for t in _transformers(pipe).values():
+    for t in transformers_of(pipe).values():
         remove(t)
     return cache_report(gate) if gate is not None else None
+
+
+def gate_of(pipe) -> Gate | None:
+    """The gate enable_cache put on `pipe`, None when there is none."""
+    return _GATES.get(pipe)
 
 
 def cache_report(pipe_or_gate) -> dict | None:

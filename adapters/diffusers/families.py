@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from modules.checkpoint import fingerprint
 from modules.registry import FAMILIES as OUR_FAMILIES
 from sampling.pipelines import PIPELINES
 
@@ -50,3 +51,14 @@ def our_models(transformer, family: Family) -> tuple[str, ...]:
         if all(theirs.get(k) == v for k, v in want.items()):
             found.append(name)
     return tuple(found)
+
+
+def weights_fingerprint(transformer, family: Family) -> str | None:
+    """The fingerprint our checkpoints give the same weights (modules.checkpoint), read off the
+    transformer's parameters renamed to our layout: a profile our calibrate command wrote for
+    these weights holds for this transformer, and the other way round. None where the
+    parameters cannot be read (offloaded to the meta device)."""
+    params = OUR_FAMILIES[family.name].format.from_diffusers(dict(transformer.named_parameters()))
+    if any(p.is_meta for p in params.values()):
+        return None
+    return fingerprint({n: tuple(p.shape) for n, p in params.items()}, lambda n: params[n][:1])

@@ -25,6 +25,8 @@ from sampling.loop import LoopStats, model_call
 from sampling.stages import SignalPlan
 from torch_backend.backend import TorchBackend, TorchOps
 
+from .settings import CacheSettingsError
+
 HOOK = "dit_cache_gate"
 BRANCHES = {"cond": "cond", "uncond": "uncond", "pred_cond": "cond", "pred_uncond": "uncond"}
 
@@ -59,6 +61,7 @@ class Gate:
         self.stats = LoopStats()
         self.previous: dict[str, torch.Tensor] = {}
         self.uncached: Counter = Counter()  # calls the gate did not take, by reason
+        self.observe = None  # observe(step, branch, expert, output on the host): calibration
 
     # --- one transformer call ------------------------------------------------------------------
 
@@ -68,6 +71,12 @@ class Gate:
         if timesteps is self.timesteps and self.run is not None:
             return
         steps = len(timesteps) if timesteps is not None else 0
+        if self.budget is not None and steps != self.budget["calibrated_steps"]:
+            # a static schedule names steps: at another count it is another schedule
+            raise CacheSettingsError(
+                f"budget_profile was calibrated at {self.budget['calibrated_steps']} steps and "
+                f"this call samples {steps}; expected num_inference_steps="
+                f"{self.budget['calibrated_steps']}, or a profile calibrated at {steps}")
         self.timesteps = timesteps
         self.run, self.stats, self.previous = Run(max(steps, 1)), LoopStats(), {}
         self.gate.attach(max(steps, 1))
@@ -95,6 +104,9 @@ class Gate:
                                    x, timestep, conds, self.previous.get(branch))
         self.previous[branch] = x
         self.run.seconds += time.perf_counter() - began
+        if self.observe is not None:
+            self.observe(self.gate.telemetry.trace[-1]["step"], branch, expert,
+                         out.detach().to("cpu", torch.float32))
         return out
 
     # --- what a run did ------------------------------------------------------------------------

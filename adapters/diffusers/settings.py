@@ -107,7 +107,7 @@ def resolve(settings: dict, models: tuple[str, ...]) -> Settings:
                 f"budget_profile {budget['budget_profile']} was calibrated for "
                 f"{calibrated['model']}; this transformer's architecture is "
                 f"{' or '.join(models) or 'none of our models'}: calibrate for it "
-                "(adapters.diffusers.calibrate)")
+                "(adapters.diffusers.calibration.calibrate)")
         fields = choice.fields if choice is not None else {}
         chosen = {"choice": choice.label if choice else None, "config": fields,
                   "bound_rel_err": choice.bound if choice else None,
