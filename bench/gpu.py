@@ -23,6 +23,8 @@ from them.
   persistent cache, after jax.clear_caches), peak device memory.
 - torch: the same sizes through our torch backend, eager and compiled, and diffusers'
   WanTransformer3DModel holding the same weights (its SDPA), interleaved in one process.
+- adapter (not in the default command: `--phases smoke,adapter`, about 2 minutes): our gate
+  inside diffusers' WanPipeline beside diffusers' FirstBlockCache hook (bench/gpu_adapter.py).
 
 Writes bench/results/gpu.json and bench/results/gpu.md (with --tiny only where --out names a
 folder), again after every phase, so a command cut short keeps what finished. Without a GPU
@@ -48,9 +50,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.gpu_plan import REAL, TINY, jax_plans, plan, sizes, torch_runs  # noqa: E402
+from bench.gpu_adapter import phase_adapter  # noqa: E402
+from bench.gpu_plan import (  # noqa: E402
+    DEFAULT_PHASES,
+    REAL,
+    TINY,
+    jax_plans,
+    plan,
+    sizes,
+    torch_runs,
+)
 
-PHASES = ("smoke", "check", "jax", "torch")
+PHASES = ("smoke", "check", "jax", "torch", "adapter")
 CHECK_MODEL = "wan-tiny-trained"  # the built-in trained model (sampling.pipelines.DEFAULT_PIPELINE)
 CHECK_TOL = 1e-3  # rel L2 of the final latents, device against CPU (fp32, highest precision)
 SEED = 0
@@ -400,7 +411,8 @@ def save_partial(args, out: dict) -> None:
     args.result.write_text(json.dumps(dict(out, partial=True), indent=1, default=str))
 
 
-PHASE_FUNCS = {"smoke": phase_smoke, "check": phase_check, "jax": phase_jax, "torch": phase_torch}
+PHASE_FUNCS = {"smoke": phase_smoke, "check": phase_check, "jax": phase_jax, "torch": phase_torch,
+               "adapter": phase_adapter}
 
 
 # --- the command: phases in processes, then the page --------------------------------------------
@@ -412,14 +424,14 @@ def phase_timeouts(tiny: bool) -> dict[str, int]:
     if tiny:
         return dict.fromkeys(PHASES, 900)
     # 560 s in all: the device tool stops a command at 600 s, the wheels' install included
-    return {"smoke": 50, "check": 80, "jax": 230, "torch": 200}
+    return {"smoke": 50, "check": 80, "jax": 230, "torch": 200, "adapter": 400}
 
 
 def run_phases(args, after_phase=lambda results: None) -> dict:
     """Every phase of args.phases in its own process; `after_phase(results)` after each one that
     followed a passed smoke phase (the page is rewritten then, so a kill keeps what finished)."""
     results = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%d %H:%M %Z"), "phases": {},
-               "plan": plan(args.tiny)}
+               "plan": plan(args.tiny), "asked": list(args.phases)}
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",  # torch and JAX share the card
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if args.tiny:
@@ -460,7 +472,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true",
                     help=f"the CPU, {TINY} for the real-size runs (what the test suite runs)")
-    ap.add_argument("--phases", default=",".join(PHASES),
+    ap.add_argument("--phases", default=",".join(DEFAULT_PHASES),
                     help=f"comma-separated, in order, among {', '.join(PHASES)}")
     ap.add_argument("--out", type=Path, help="folder for gpu.json and gpu.md (default "
                     "bench/results; none with --tiny unless given)")

@@ -34,7 +34,10 @@ def lines(results: dict | None, plan: dict) -> list[str]:
                 "On the lent machine, which reaches no index: `python -m tools.gpu_wheels` here "
                 "(the wheels it lacks, with their sizes, and whether they fit beside the tree), "
                 "carry `gpu-wheels`, and there `pip install --no-index --find-links gpu-wheels "
-                "torchax==0.0.13 diffusers==0.42.1 && python -m bench.gpu`."]
+                "torchax==0.0.13 diffusers==0.42.1 && python -m bench.gpu`; then, as a second "
+                "command (about 2 minutes), our gate inside diffusers' WanPipeline beside "
+                "diffusers' FirstBlockCache: `python -m bench.gpu --phases smoke,adapter --out "
+                "bench/results/gpu_adapter`."]
     else:
         out += _measured(results)
         out += ["", "## Targets", "", "| target | met |", "|---|---|"]
@@ -57,7 +60,11 @@ def _measured(results: dict) -> list[str]:
     from bench.gpu_verdicts import timed
     phases = results["phases"]
     smoke = phases.get("smoke", {})
-    out = [f"- date: {results['date']}; command: `python -m bench.gpu{' --tiny' if results['tiny'] else ''}`",
+    asked = results.get("asked")
+    from bench.gpu_plan import DEFAULT_PHASES
+    phases_flag = "" if asked in (None, list(DEFAULT_PHASES)) else f" --phases {','.join(asked)}"
+    out = [f"- date: {results['date']}; command: `python -m bench.gpu"
+           f"{' --tiny' if results['tiny'] else ''}{phases_flag}`",
            f"- card: {smoke.get('card', 'none (CPU)')}, {smoke.get('capability', '-')}, "
            f"{smoke.get('memory_gib', '-')} GiB; driver {smoke.get('driver')}; CUDA (torch) "
            f"{smoke.get('torch_cuda')}",
@@ -115,6 +122,9 @@ def _measured(results: dict) -> list[str]:
             if "ours_vs_diffusers_one_call" in t:
                 out.append(f"Same weights, one call, ours (torch) vs diffusers: max abs diff / max "
                            f"abs {t['ours_vs_diffusers_one_call']:.2e}.")
+    if phases.get("adapter", {}).get("runs"):
+        from bench.gpu_adapter import lines as adapter_lines
+        out += adapter_lines(phases["adapter"])
     return out
 
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 REAL, TINY = "wan2.2-ti2v-5b", "wan-tiny-ti2v"
+# what one command runs by default (8 minutes of device time); the adapter phase is a second
+# command of its own (bench/gpu_adapter.py)
+DEFAULT_PHASES = ("smoke", "check", "jax", "torch")
 
 
 class Size(SimpleNamespace):

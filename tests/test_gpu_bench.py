@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import gpu, gpu_plan, gpu_verdicts
+from bench import gpu, gpu_adapter, gpu_plan, gpu_verdicts
 from modules.registry import build_model
 from sampling.pipelines import get_pipeline
 
@@ -39,7 +39,7 @@ def test_tiny_mode_runs_every_phase_on_the_cpu_and_writes_the_page(tiny):
     done, out = tiny
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "gpu.json").read_text())
-    assert list(results["phases"]) == list(gpu.PHASES)
+    assert list(results["phases"]) == list(gpu.DEFAULT_PHASES)
     assert not [p for p, e in results["phases"].items() if "error" in e]
     check = results["phases"]["check"]
     for backend in ("jax", "torch"):  # the CPU against itself here; the card against it there
@@ -73,6 +73,21 @@ def test_tiny_mode_runs_every_phase_on_the_cpu_and_writes_the_page(tiny):
             named = gpu_verdicts.under_ideal(results, key.split(":", 1)[0])
             assert named and all(f"{k} at " in done.stderr for k, _ in named), done.stderr
             assert f"| {key} | no ({named[0][0]} " in page
+
+
+def test_the_adapter_phase_runs_our_gate_beside_diffusers_hook_in_one_pipeline(tmp_path):
+    done = _run("--tiny", "--phases", "smoke,adapter", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads((tmp_path / "gpu.json").read_text())["phases"]["adapter"]["runs"]
+    assert list(runs) == list(gpu_adapter.RUNS)
+    off = runs["adapter off"]
+    assert off["computed"] == off["calls"] and off["rel_l2"] < 1e-2  # bf16: our cut, their maths
+    fb = runs[f"adapter fbcache {gpu_adapter.FB_THRESHOLD}"]
+    assert 0 < fb["computed"] <= fb["calls"] and fb["signal_reads"] <= fb["calls"]
+    assert runs["diffusers none"]["rel_l2"] == 0.0
+    page = (tmp_path / "gpu.md").read_text()
+    assert "## Our gate inside diffusers' WanPipeline" in page
+    assert "--phases smoke,adapter" in page and "| adapter preset balanced |" in page
 
 
 def test_a_run_under_its_schedule_ideal_is_named():
@@ -116,7 +131,9 @@ def test_the_plan_fits_eight_minutes_with_the_token_counts_of_both_sizes():
     plan = gpu_plan.plan()
     assert [s["tokens"] for s in plan["sizes"]] == [21 * 15 * 26, 31 * 22 * 40]
     assert plan["total_s"] <= plan["budget_s"] == 480
-    assert sum(gpu.phase_timeouts(False).values()) <= 560  # 600 a command, less the install
+    timeouts = gpu.phase_timeouts(False)  # 600 s a command, less the install
+    assert sum(timeouts[p] for p in gpu.DEFAULT_PHASES) <= 560
+    assert timeouts["smoke"] + timeouts["adapter"] <= 560  # the adapter's command of its own
     runs = plan["sizes"][0]["runs"]
     assert {"jax none", "jax deepcache", "jax teacache", "torch eager none",
             "torch compiled none", "diffusers none"} <= set(runs)
