@@ -57,6 +57,7 @@ from bench.pareto_budget import (  # noqa: E402
 )
 from bench.pareto_page import write_readme  # noqa: E402
 from bench.pareto_peers import (  # noqa: E402
+    adapter_setup,
     cachedit_setup,
     diffusers_hook,
     mag_ratios,
@@ -407,6 +408,7 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
             traces[f"{m.name} | {label}"] = {"per_call_blocks": run.per_call, "trace": run.trace}
             if run.follow is not None:
                 traces[f"{m.name} | {label}"]["hits"] = run.follow["hits"]
+    adapter = adapter_check(wl, pooled, traces, rows, their_base, noise)
     if "mag" in cache:
         traces["diffusers MagCache calibration ratios"] = cache["mag"][1]
     if "our_mag" in cache:
@@ -426,8 +428,31 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
              "budget_screen": calibrated.get("screen_seeds", []),
              "budget_confirm": calibrated.get("confirm_seeds", []),
              "budget_chaotic": calibrated.get("chaotic", {}).get("seeds", []),
-             "about": {m.name: m.about for m in menu}}
+             "about": {m.name: m.about for m in menu}, "adapter": adapter}
     return rows, traces, facts
+
+
+def adapter_check(wl: Workload, pooled, traces: dict, rows: list[dict], their_base, noise):
+    """The presets through the diffusers adapter (our gate in diffusers' own model, run by the
+    peers' loop) against the "ours presets" curve: the per-call block schedule must be the same,
+    and the PSNR (each against its implementation's uncached run) within float noise."""
+    from cache.preset import PRESETS
+    out = []
+    for name in PRESETS:
+        key = f"ours presets | {name}"
+        ours_row = next((r for r in rows if r["method"] == "ours presets"
+                         and r["setting"] == name and r["status"] == "ok"), None)
+        if ours_row is None or key not in traces:
+            continue
+        run = pooled(lambda w, name=name: run_diffusers(w, adapter_setup(w, {"preset": name})))(wl)
+        r = row(wl.family.key, "adapter presets", "ours", name, run, their_base, noise)
+        out.append({"preset": name, "computed": run.fraction,
+                    "same_blocks": run.per_call == traces[key]["per_call_blocks"],
+                    "psnr_db": r["psnr_db"], "ours_psnr_db": ours_row["psnr_db"]})
+        print(f"adapter preset {name}: computed {run.fraction:.3f}, same block schedule as ours: "
+              f"{out[-1]['same_blocks']}, PSNR {r['psnr_db']:.2f} dB (ours "
+              f"{ours_row['psnr_db']:.2f})", flush=True)
+    return out
 
 
 def _run_family_job(family: Family, args):

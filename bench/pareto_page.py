@@ -286,6 +286,14 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
                      f"{a['rel_l2']:.1e}, PSNR {psnr}. Uncached loop: {f['uncached_cpu'][0]:.2f} "
                      f"CPU s ours, {f['uncached_cpu'][1]:.2f} diffusers'; two identical uncached "
                      f"runs differ by up to {100 * f['spread']:.0f}%.")
+        checked = f.get("adapter") or []
+        if checked:
+            same = sum(c["same_blocks"] for c in checked)
+            gap = max(0.0 if c["psnr_db"] == c["ours_psnr_db"] else abs(c["psnr_db"] - c["ours_psnr_db"])
+                      for c in checked)
+            lines.append(f"  The presets through the diffusers adapter (our gate inside diffusers' "
+                         f"model, run by the peers' loop): the same per-call block schedule as "
+                         f"ours at {same} of {len(checked)}, PSNR within {gap:.2f} dB of ours.")
     if not_run:
         lines += ["", "Not run (the library's own error; nothing is estimated in its place):", ""]
         lines += [f"- {names[r['family']]}: {r['method']}: {r['status'][len('not run: '):]}"

@@ -106,6 +106,30 @@ def run_diffusers(wl: Workload, setup: Callable | None = None) -> Run:
 
 # --- the peers, as installed libraries --------------------------------------------------------
 
+class _Holder:
+    """What the adapter reads off a pipeline, for diffusers' model in this bench's own loop: the
+    transformer, and a scheduler whose timesteps (one object a run) and sigmas are the run's."""
+
+    def __init__(self, transformer, scheduler):
+        self.transformer, self.scheduler = transformer, scheduler
+
+
+def adapter_setup(wl: Workload, settings: dict) -> Callable:
+    """setup() for our gate through the diffusers adapter (adapters/diffusers) on diffusers' model:
+    `settings` are enable_cache's keywords; the trace is the gate's decisions."""
+    def setup(model):
+        from adapters.diffusers import cache_report, enable_cache
+        scheduler = make_scheduler(wl.pipe.solver, wl.steps, wl.pipe.shift)
+        holder = _Holder(model, scheduler)
+        enable_cache(holder, **settings)
+
+        def trace():
+            rows = cache_report(holder)["trace"]
+            return {k: [r[k] for r in rows] for k in ("step", "branch", "action", "reason")}
+        return trace
+    return setup
+
+
 def taylorseer_identifiers(wl: Workload) -> list[str]:
     """Explicit module patterns: diffusers' defaults ('^blocks.*attn' under re.fullmatch) match
     no Wan module ('blocks.0.attn1'), so with defaults TaylorSeer caches nothing on Wan."""

@@ -256,6 +256,9 @@ def test_a_quick_page_says_it_is_no_result_and_shows_what_one_flag_gives(tmp_pat
                         "--out", str(tmp_path)]) == 0
     page = (tmp_path / "README.md").read_text()
     assert "**QUICK MODE: NOT A RESULT.**" in page
+    # the presets through the diffusers adapter, on diffusers' model, are ours (issue 61)
+    assert ("The presets through the diffusers adapter (our gate inside diffusers' model, run by "
+            "the peers' loop): the same per-call block schedule as ours at 4 of 4") in page
     assert "PSNR pooled: one flag (" in page and "PSNR mean over draws: one flag (" in page
     assert "| preset turbo |" in page and "| ours presets | turbo |" in page
     assert "| target | chosen | promised bound |" in page
