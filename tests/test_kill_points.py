@@ -18,7 +18,7 @@ import signal
 import tempfile
 
 from commands import calibrate, stage2, stage3
-from sampling import stage_io
+from sampling import calibration, stage_io
 from sampling.stage_io import CONFIG, LATENTS, VIDEO, read_stage2
 
 FORK = multiprocessing.get_context("fork")
@@ -152,8 +152,8 @@ def test_calibrate_killed_at_every_write_point_leaves_the_old_or_new_profile(tmp
         assert calibrate.main(argv) == 0  # the next run
         assert os.listdir(case) == ["p.json"]
 
-    points = each_point(tmp_path, old, calibrate.main, [*argv, "--first_seed", "5"], calibrate,
-                        "_write", check)
+    points = each_point(tmp_path, old, calibrate.main, [*argv, "--first_seed", "5"], calibration,
+                        "write_profile", check)
     assert points >= 3
 
 
@@ -166,7 +166,7 @@ def test_an_interrupted_budget_calibration_leaves_the_old_profile(tmp_path, monk
 
     def interrupted(*args, **kwargs):
         raise Interrupted(signal.SIGINT)
-    monkeypatch.setattr(calibrate, "measure_space", interrupted)
+    monkeypatch.setattr(calibration, "measure_space", interrupted)
     code = calibrate.main(["--model", "hunyuanvideo-tiny", "--samples", "2",
                            "--num_inference_steps", "3", "--degree", "1", "--budget",
                            "--out", str(profile)])
