@@ -196,3 +196,20 @@ def test_the_a14b_experts_are_fitted_apart_through_the_adapter(tmp_path):
     assert set(profile["experts"]) == {"high", "low"}
     assert profile["weights_fingerprint"] == {e: model_fingerprint(m)
                                               for e, m in case.models.items()}
+
+
+def test_a_runs_file_resumes_the_budget_runs_and_refuses_other_draws(wan, tmp_path, monkeypatch):
+    _small_space(monkeypatch)
+    runs, out = tmp_path / "runs.jsonl", tmp_path / "profile.json"
+    pipe = wan.make()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda *_: calls.append(1))
+    calibrate(pipe, _draws(wan, (1, 2)), out=str(out), budget=True, runs=str(runs))
+    first, whole = len(calls), json.loads(out.read_text())["budget"]
+    calls.clear()
+    calibrate(pipe, _draws(wan, (1, 2)), out=str(out), budget=True, runs=str(runs))
+    # again: the fit's runs only (2 draws x 2 branches x STEPS calls), no configuration run
+    assert len(calls) == 2 * 2 * STEPS < first
+    assert json.loads(out.read_text())["budget"] == whole
+    with pytest.raises(CacheSettingsError, match="other weights or settings"):
+        calibrate(pipe, _draws(wan, (1, 3)), out=str(out), budget=True, runs=str(runs))

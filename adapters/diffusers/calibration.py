@@ -22,6 +22,7 @@ sampling/calibration.py's, the very code of our command: only what runs a sample
 from __future__ import annotations
 
 import datetime
+import hashlib
 
 import torch
 
@@ -65,6 +66,27 @@ def _check_draws(draws, what: str) -> list[dict]:
                 f"{what}[{i}]: expected latents= or a seeded generator= (one torch.Generator): "
                 "each draw is sampled many times and must start from the same noise every time")
     return draws
+
+
+def _digest(draws: list[dict]) -> str:
+    """What the draws are (their keywords' values: tensors, images and generators by content),
+    so a runs file of other draws is refused rather than answered from."""
+    digest = hashlib.sha256()
+    for draw in draws:
+        for key in sorted(draw):
+            value = draw[key]
+            if torch.is_tensor(value):
+                data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+                data = data.tobytes()
+            elif isinstance(value, torch.Generator):
+                data = value.get_state().numpy().tobytes()
+            elif hasattr(value, "tobytes"):  # a PIL image or a numpy array
+                data = value.tobytes()
+            else:
+                data = repr(value).encode()
+            digest.update(key.encode() + b"=" + data + b";")
+        digest.update(b"|")
+    return digest.hexdigest()[:16]
 
 
 class _Draws:
@@ -130,6 +152,7 @@ def calibrate(pipe, draws, *, out: str, budget: bool = False, screen_draws=(),
         raise CacheSettingsError(str(exc)) from None
 
     fingerprints = {e: weights_fingerprint(t, family) for e, t in transformers.items()}
+    digest = _digest(draws + screen + confirm)  # before any call moves a generator
     calls = _Draws(draws + screen + confirm)
     say = log or (lambda line: None)
     sampled = {}  # what the first run learned of the pipeline: steps, sigmas
@@ -174,9 +197,12 @@ def calibrate(pipe, draws, *, out: str, budget: bool = False, screen_draws=(),
                f"({', '.join(models) or 'no pipeline of ours'}), {len(draws)} draws x {steps} "
                f"steps ({scheduler}, shift {shift}), {datetime.date.today()}")
     if budget:
-        memo = None if runs is None else RunMemo(runs, runs_identity(
-            fingerprints, model=models[0], steps=steps, solver=solver or scheduler,
-            shift=shift, shape=[], pipeline=type(pipe).__name__))
+        try:
+            memo = None if runs is None else RunMemo(runs, runs_identity(
+                fingerprints, model=models[0], steps=steps, solver=solver or scheduler,
+                shift=shift, shape=[], pipeline=type(pipe).__name__, draws=digest))
+        except StageFileError as exc:
+            raise CacheSettingsError(str(exc)) from None
         space = budgets.SPACE + budgets.static_schedules(sampled["sigmas"])
         with torch.no_grad():
             candidates = calibration.measure_space(once, first, space=space, log=log, memo=memo)
