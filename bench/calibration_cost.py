@@ -10,7 +10,7 @@ bf16 floor of a draw where a promise broke (an uncached run with bf16-rounded we
 calibration draw and at most once per further draw, so it is given as a range.
 
 At real size, the calibration draws' part is exact for the static schedules (their computed
-fractions follow from the pipeline's solver, steps and shift: `sampling.budget.space`) and
+fractions follow from the pipeline's solver, steps and shift: `sampling.budget_space.space`) and
 estimated for the 33 adaptive configurations (their mean computed fraction on the committed
 pages); screening and confirmation are taken as they ran on the committed pages (their
 configuration x draw runs depend on where promises break, which only a run shows). Hours: the
@@ -29,7 +29,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.page import write_page  # noqa: E402
-from sampling import budget  # noqa: E402
+from sampling import (
+    budget_space,
+)
 from sampling.pipelines import PIPELINES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -80,11 +82,11 @@ def per_draw(name: str, adaptive: dict) -> tuple[float, float, int]:
     """(static schedules', adaptive configurations') uncached runs' worth for one calibration
     draw of the real pipeline `name`, and how many configurations that is."""
     pipe = PIPELINES[name]
-    static = budget.run_static_schedules(pipe.solver, pipe.steps, pipe.shift)
+    static = budget_space.run_static_schedules(pipe.solver, pipe.steps, pipe.shift)
     steps = pipe.steps
     static_cost = sum(len(f["deepcache"]["steps"]) / steps for _, f in static)
-    adaptive_cost = sum(adaptive.get(label, 1.0) for label, _ in budget.SPACE)
-    return static_cost, adaptive_cost, len(static) + len(budget.SPACE)
+    adaptive_cost = sum(adaptive.get(label, 1.0) for label, _ in budget_space.SPACE)
+    return static_cost, adaptive_cost, len(static) + len(budget_space.SPACE)
 
 
 def stage2_seconds(model: str, topology: str) -> float:

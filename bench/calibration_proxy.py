@@ -39,7 +39,10 @@ from bench.page import machine, write_page  # noqa: E402
 from bench.pareto_workload import build_workload, trained_families  # noqa: E402
 from cache import CMConfig  # noqa: E402
 from cache.flags import config_from_fields  # noqa: E402
-from sampling import budget  # noqa: E402
+from sampling import (
+    budget,  # noqa: E402
+    budget_space,
+)
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
@@ -108,7 +111,7 @@ def main(argv=None) -> int:
         block = json.load(f)["budget"]
     family = next(iter(trained_families(args.checkpoint).values()))
     wl = build_workload(family, block["steps"])
-    static = dict(budget.run_static_schedules(wl.pipe.solver, wl.steps, wl.pipe.shift))
+    static = dict(budget_space.run_static_schedules(wl.pipe.solver, wl.steps, wl.pipe.shift))
     closed = {c["label"]: c for c in block["candidates"] if c["label"] in static}
     labels = sorted(closed)
     replayed: dict[str, list[float]] = {label: [] for label in labels}

@@ -21,7 +21,7 @@ Wan model draws 63 and 71 are), and its misses are counted apart.
 
 Configurations: what budgeted mode chooses for the trained page's error budgets from that
 page's profile (bench/results/pareto/trained*/budget_profile_*.json), and --labels (labels of
-sampling/budget.py's space). Writes bench/results/fragile_prompts_<family>.md.
+sampling/budget_space.py's space). Writes bench/results/fragile_prompts_<family>.md.
 """
 
 from __future__ import annotations
@@ -53,7 +53,11 @@ from bench.pareto_workload import (  # noqa: E402
 )
 from cache import CMConfig  # noqa: E402
 from cache.flags import config_from_fields  # noqa: E402
-from sampling import budget  # noqa: E402
+from sampling import (
+    budget,  # noqa: E402
+    budget_profile,
+    budget_space,
+)
 from sampling.calibration import bf16_rounded  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
@@ -94,7 +98,7 @@ def protected(fields: dict, first: int) -> dict:
 
 def chosen_labels(profile: str) -> list[tuple[float, str]]:
     """(budget, label) of what budgeted mode chooses for the trained page's error budgets."""
-    block = budget.load(profile)
+    block = budget_profile.load(profile)
     out = []
     for e in BUDGETS["trained"]:
         choice = budget.choose(block, rel_err=e)
@@ -133,7 +137,7 @@ def main(argv=None) -> int:
                          f"(from draw {CONFIRM_SEEDS[-1] + 1} or later): a larger sample of "
                          "unseen draws than the page's")
     ap.add_argument("--labels", default="",
-                    help="further configurations of sampling/budget.py's space, '|'-separated")
+                    help="further configurations of sampling/budget_space.py's space, '|'-separated")
     ap.add_argument("--protect", default="0,10",
                     help="first steps computed, comma-separated (0: as chosen)")
     ap.add_argument("--out", default=None)
@@ -153,17 +157,17 @@ def main(argv=None) -> int:
         ap.error(f"--checkpoint {args.checkpoint}: not a {args.family} model; expected one of "
                  f"the family --family names")
     wl = build_workload(families[args.family])
-    space = dict(budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
+    space = dict(budget_space.space(wl.pipe.solver, wl.steps, wl.pipe.shift))
     targets = chosen_labels(profile)
     labels = list(dict.fromkeys([label for _, label in targets]
                                 + [x for x in args.labels.split("|") if x]))
     unknown = [x for x in labels if x not in space]
     if unknown:
-        ap.error(f"--labels: {unknown} are not in sampling/budget.py's space for this run")
+        ap.error(f"--labels: {unknown} are not in sampling/budget_space.py's space for this run")
     firsts = [int(x) for x in args.protect.split(",")]
     draws = (list(FOLLOW_SEEDS[:args.prompts]) + [s for s in UNSEEN_SEEDS if s != SEED]
              + list(range(SCREEN_SEEDS[-1] + 1, SCREEN_SEEDS[-1] + 1 + args.more))
-             + beyond_draws(budget.load(profile), args.beyond))
+             + beyond_draws(budget_profile.load(profile), args.beyond))
     counter = our_counter(wl)
     errors: dict = {}  # (label, first) -> [rel L2 per draw]
     bf16: list[float] = []  # the uncached run with bf16-rounded weights, per draw

@@ -329,7 +329,7 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
     out.append(Method("ours budgeted", "ours", [
         (f"rel L2 budget {b:g}", budgeted(("rel_err", b)))
         for b in pick([x for kind, x in targets(trained) if kind == "rel_err"])],
-        "--budget_rel_err: the cheapest configuration of sampling/budget.py's space (the shipped "
+        "--budget_rel_err: the cheapest configuration of sampling/budget_space.py's space (the shipped "
         "techniques and the static schedules of the run's sigmas) whose error bound (95%, learned "
         "from the spread over 3 held-out draws) is within the budget"))
     out.append(Method("ours budgeted speedup", "ours", [

@@ -41,13 +41,13 @@ def runs_path(out: str, family: str) -> str:
 
 def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) -> dict:
     """`python -m commands.calibrate --budget`'s measurement on this workload: every
-    configuration of sampling/budget.py's SPACE on the draws BUDGET_SEEDS (none of them
+    configuration of sampling/budget_space.py's SPACE on the draws BUDGET_SEEDS (none of them
     evaluated), on trained weights screened and confirmed (on the draws `confirm`), written to
     `path`; returns the budget block. With `runs` (a path), every finished run is kept there and
     the runs it already holds are not run again."""
     from commands.calibrate import runner
     from modules.checkpoint import model_fingerprint
-    from sampling import budget, calibration
+    from sampling import budget_space, calibration
     from sampling.calibration_runs import RunMemo, identity
 
     def backend(plan):
@@ -60,7 +60,7 @@ def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) ->
     once = runner(backend, wl.pipe, wl.shape, steps=wl.steps, solver=wl.pipe.solver,
                   shift=wl.pipe.shift)
     candidates = calibration.measure_space(
-        once, draws, space=budget.space(wl.pipe.solver, wl.steps, wl.pipe.shift), memo=memo)
+        once, draws, space=budget_space.space(wl.pipe.solver, wl.steps, wl.pipe.shift), memo=memo)
     block = calibration.budget_block(candidates, pipe_name=wl.pipe.name, seeds=BUDGET_SEEDS,
                                    steps=wl.steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
     if wl.family.trained:  # fragile prompts flip on trained weights only (sampling/budget.py)

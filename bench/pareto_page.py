@@ -160,7 +160,7 @@ def _budget_note(rows, facts) -> str:
              "table's max column)") if ratios else ""
     return _bullet(
         "Budgeted mode (issue 17): `--budget_rel_err` chooses among every configuration we ship "
-        f"(sampling/budget.py SPACE), calibrated on {len(BUDGET_SEEDS)} draws it is never evaluated "
+        f"(sampling/budget_space.py SPACE), calibrated on {len(BUDGET_SEEDS)} draws it is never evaluated "
         "on, by a 95% prediction bound for an unseen draw (log errors, Student's t, the spread "
         "pooled over all configurations as a floor). The bound is conservative by design, so a "
         f"budget buys less speed than the curve could give on one lucky draw{worst}.")

@@ -3,7 +3,7 @@
     python bench/static_schedules.py [--families wan,hunyuan] [--checkpoint PATH] [--prompts 12]
 
 Budgeted mode measures a family of static schedules of the run's own sigmas
-(sampling/budget.static_schedules: every n-th step after the first 1-3 or at each phase mod n, the
+(sampling/budget_space.static_schedules: every n-th step after the first 1-3 or at each phase mod n, the
 last 1-3 computed, steps paced by |d sigma| ** 0.25 or 0.5, or all but every k-th in a middle
 window; linear forecast of the reused residual, no probe or tail block) on three calibration draws,
 and `--budget_speedup s` takes the schedule with the least typical error (geometric mean over the
@@ -39,7 +39,10 @@ from bench.pareto_workload import (  # noqa: E402
 )
 from cache import CMConfig  # noqa: E402
 from cache.flags import config_from_fields  # noqa: E402
-from sampling import budget  # noqa: E402
+from sampling import (
+    budget,  # noqa: E402
+    budget_space,
+)
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
 from torch_backend.backend import TorchBackend  # noqa: E402
@@ -52,9 +55,9 @@ def baseline(steps: int, speedup: float):
     """(label, fields) of every n-th step after 2, the last computed, at the largest fraction
     within 1/speedup."""
     for n in range(2, steps):
-        chosen = budget.every_nth(steps, n, 2, 1)
+        chosen = budget_space.every_nth(steps, n, 2, 1)
         if len(chosen) <= steps / speedup + 1e-9:
-            return f"every {n} after 2, last 1", budget.static_fields(chosen)
+            return f"every {n} after 2, last 1", budget_space.static_fields(chosen)
     raise ValueError(f"no every-n-th schedule computes at most 1/{speedup} of {steps} steps")
 
 
@@ -64,7 +67,7 @@ def family_rows(family, prompts: int) -> tuple[list[str], dict]:
 
     wl = build_workload(family)
     steps = wl.steps
-    schedules = budget.run_static_schedules(wl.pipe.solver, steps, wl.pipe.shift)
+    schedules = budget_space.run_static_schedules(wl.pipe.solver, steps, wl.pipe.shift)
     began = time.perf_counter()
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
     once = runner(lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, wl.shape,

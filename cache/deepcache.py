@@ -6,7 +6,7 @@ known before the loop, so it needs no signal and no device read per step. Hunyua
 11/45/4 over 50 steps computes 25 steps: 0-10, 11, 15, ..., 43, 45-49.
 
 `steps` names the computed steps outright instead (a schedule chosen offline, such as budgeted
-mode's calibrated static schedules, sampling/budget.py); start, end and interval are then unused.
+mode's calibrated static schedules, sampling/budget_space.py); start, end and interval are then unused.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from modules import ops
 from modules.checkpoint import model_fingerprint
 from modules.layers import ModelConfigError
 from modules.layouts import CheckpointError
-from sampling import budget, calibration
+from sampling import budget_space, calibration
 from sampling.calibration_runs import RunMemo
 from sampling.calibration_runs import identity as runs_identity
 from sampling.cli import CommandParser, as_int, command
@@ -233,7 +233,7 @@ def calibrate(spec: Calibration) -> dict:
         once = runner(lambda plan: _backend(spec.backend, models, plan), pipe, shape,
                       steps=steps, solver=pipe.solver, shift=pipe.shift)
         candidates = calibration.measure_space(
-            once, tensors, space=budget.space(pipe.solver, steps, pipe.shift),
+            once, tensors, space=budget_space.space(pipe.solver, steps, pipe.shift),
             log=lambda line: print(line, flush=True), memo=memo)
         profile["budget"] = calibration.budget_block(
             candidates, pipe_name=pipe.name, seeds=list(seeds), steps=steps, solver=pipe.solver,

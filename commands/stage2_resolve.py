@@ -19,7 +19,7 @@ from modules.registry import family_of
 from sampling import platforms
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
-from sampling.budget import load as budget_load
+from sampling.budget_profile import load as budget_load
 from sampling.calibration import profile_files
 from sampling.cli import as_int, as_number
 from sampling.errors import StageFileError, UsageError

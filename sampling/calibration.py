@@ -25,7 +25,7 @@ from cache import CMConfig, magcache
 from cache.teacache_profiles import check_profile
 from cache.validate import FieldError
 
-from . import budget, progress
+from . import budget, budget_profile, progress
 from .errors import StageFileError
 from .journal import atomic_write
 
@@ -242,8 +242,9 @@ def screen_space(once, block, screen_draws: dict, *, confirm_draws=None, log=Non
 
 def budget_block(candidates, *, pipe_name, seeds, steps, solver, shift) -> dict:
     """The profile's "budget" entry: what was measured and the margin learned from it."""
-    return {"format": budget.FORMAT, "model": pipe_name, "seeds": list(seeds), "steps": steps,
-            "solver": solver, "shift": shift, "pooled_log_spread": budget.pooled_spread(candidates),
+    return {"format": budget_profile.FORMAT, "model": pipe_name, "seeds": list(seeds),
+            "steps": steps, "solver": solver, "shift": shift,
+            "pooled_log_spread": budget.pooled_spread(candidates),
             "candidates": candidates}
 
 
@@ -313,7 +314,7 @@ def write_profile(path: str, profile: dict, flag: str = "--out") -> None:
     try:
         check_profile(written, path)
         if "budget" in written:
-            budget.check(written)
+            budget_profile.check(written)
     except FieldError as exc:
         raise StageFileError(f"{flag} {path}: the calibration gave a profile its loader would "
                              f"refuse ({exc}); not written") from None

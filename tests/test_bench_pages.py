@@ -16,7 +16,7 @@ import pytest
 
 from bench import taylorseer_gap as tg
 from bench.page import trained_step, write_page, write_section
-from sampling import budget
+from sampling import budget_space
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -419,7 +419,7 @@ def test_calibration_cost_counts_runs_worth_references_and_floors():
                                                     pytest.approx(6 + 3.2 + 1.5 + 1 + 7))
     # the static schedules of a real pipeline: their computed fractions summed, exactly
     static, adaptive, n = per_draw("wan2.2-ti2v-5b", {})
-    assert 80 < static < 100 and adaptive == len(budget.SPACE) and n > 250
+    assert 80 < static < 100 and adaptive == len(budget_space.SPACE) and n > 250
 
 
 def test_the_replay_runs_no_block_and_reproduces_the_run_it_recorded():
@@ -437,7 +437,7 @@ def test_the_replay_runs_no_block_and_reproduces_the_run_it_recorded():
     again, _, _ = cp.run(wl, CMConfig(), record)
     assert (again - base).abs().max() <= 1e-5 * base.abs().max()
     counter.reset()
-    schedule = config_from_fields(budget.static_fields([0, 1, 3, 5]))
+    schedule = config_from_fields(budget_space.static_fields([0, 1, 3, 5]))
     latents, taken, fraction = cp.run(wl, schedule, record)
     assert not taken and fraction == 0.0 and sum(counter.per_call) == 0
     assert 0 < (latents - base).abs().max()

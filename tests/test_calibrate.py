@@ -315,7 +315,8 @@ def test_a_chaotic_draw_is_set_aside_for_every_configuration_not_held_against_on
     promise breaks, the draw's bf16 floor is measured once; over CHAOS x the calibration draws'
     median floor it is set aside for everyone, runs of it included; elsewhere a break counts."""
     from cache.validate import FieldError
-    from sampling.budget import CHAOS, check, choose, screen
+    from sampling.budget import CHAOS, choose, screen
+    from sampling.budget_profile import check
     budget = {"format": 2, "model": "wan-tiny-ti2v", "steps": 12, "seeds": [1, 2, 3],
               "candidates": [
                   candidate("calm", [5e-4, 5.2e-4, 5.1e-4], [0.5] * 3),
@@ -412,7 +413,7 @@ def test_a_configuration_that_never_skipped_is_not_a_choice():
 
 def test_the_static_schedules_budgeted_mode_measures():
     from cache.flags import config_from_fields
-    from sampling.budget import SPACE, every_nth, paced, skip_window, space, static_schedules
+    from sampling.budget_space import SPACE, every_nth, paced, skip_window, space, static_schedules
     from sampling.schedulers import make_scheduler
     assert every_nth(10, 3, 2, 2) == (0, 1, 2, 5, 8, 9)
     assert every_nth(10, 4, 1, 1) == (0, 1, 5, 9)
@@ -447,7 +448,8 @@ def test_the_static_schedules_budgeted_mode_measures():
 
 
 def test_a_budget_profile_it_cannot_use_is_refused(tmp_path):
-    from sampling.budget import BudgetError, load
+    from sampling.budget import BudgetError
+    from sampling.budget_profile import load
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"budget_curve": [[0.1, 1e-3, 0.5]]}))
     with pytest.raises(BudgetError, match="older TeaCache-only threshold curve, calibrate again"):
@@ -498,8 +500,8 @@ SMALL_SPACE = (  # three configurations of the shipped space, so the test stays 
 def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_path, monkeypatch,
                                                                           model):
     from commands.stage2 import build_parser, run
-    from sampling import budget
-    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    from sampling import budget, budget_space
+    monkeypatch.setattr(budget_space, "space", lambda *_: SMALL_SPACE)
     path = tmp_path / "profile.json"
     assert calibrate.main(["--model", model, "--samples", "2", "--first_seed", "1",
                            "--num_inference_steps", "12", "--budget", "--out", str(path)]) == 0
@@ -527,13 +529,13 @@ def test_budgeted_mode_keeps_its_budget_on_a_seed_it_was_not_calibrated_on(tmp_p
 def test_screening_runs_every_configuration_a_target_chooses_on_the_further_draws(tmp_path,
                                                                                   monkeypatch,
                                                                                   capsys):
-    from sampling import budget
-    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    from sampling import budget, budget_profile, budget_space
+    monkeypatch.setattr(budget_space, "space", lambda *_: SMALL_SPACE)
     path = tmp_path / "profile.json"
     assert calibrate.main(["--model", "wan-tiny-ti2v", "--samples", "2", "--first_seed", "1",
                            "--num_inference_steps", "12", "--budget", "--screen_draws", "2",
                            "--confirm_draws", "2", "--out", str(path)]) == 0
-    measured = budget.load(str(path))
+    measured = budget_profile.load(str(path))
     assert measured["seeds"] == [1, 2] and measured["screen_seeds"] == [3, 4]
     assert measured["confirm_seeds"] == [5, 6]
     screened = {i for i, c in enumerate(measured["candidates"]) if "screen" in c}

@@ -64,8 +64,8 @@ def _calibrate(tmp_path, runs, steps="12"):
 
 
 def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkeypatch, capsys):
-    from sampling import budget
-    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    from sampling import budget_space
+    monkeypatch.setattr(budget_space, "space", lambda *_: SMALL_SPACE)
     runs = tmp_path / "runs.jsonl"
     assert _calibrate(tmp_path, runs) == 0
     whole = json.loads((tmp_path / "profile.json").read_text())["budget"]
@@ -101,8 +101,8 @@ def test_a_killed_calibration_resumes_with_the_runs_it_finished(tmp_path, monkey
 
 
 def test_runs_need_the_budget_and_a_file_of_the_same_settings(tmp_path, monkeypatch, capsys):
-    from sampling import budget
-    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE)
+    from sampling import budget_space
+    monkeypatch.setattr(budget_space, "space", lambda *_: SMALL_SPACE)
     assert calibrate.main(["--model", "wan-tiny-ti2v", "--out", str(tmp_path / "p.json"),
                            "--runs", str(tmp_path / "r.jsonl")]) == 2
     assert "--runs" in capsys.readouterr().err and not (tmp_path / "r.jsonl").exists()

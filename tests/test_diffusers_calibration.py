@@ -19,7 +19,7 @@ from adapters.diffusers.tiny import call_inputs
 from cache import CMConfig, TeaCacheConfig
 from commands.calibrate import collect, runner
 from modules.checkpoint import model_fingerprint
-from sampling import budget, calibration
+from sampling import budget_space, calibration
 from sampling.stages import SignalPlan
 from tests.diffusers_pipelines import wan_case
 from torch_backend.backend import TorchBackend
@@ -46,9 +46,9 @@ def _draws(case, seeds):
 
 def _small_space(monkeypatch):
     """Two configurations and the first two static schedules of the run's own sigma grid."""
-    schedules = budget.static_schedules
-    monkeypatch.setattr(budget, "SPACE", SPACE)
-    monkeypatch.setattr(budget, "static_schedules", lambda sigmas: schedules(sigmas)[:2])
+    schedules = budget_space.static_schedules
+    monkeypatch.setattr(budget_space, "SPACE", SPACE)
+    monkeypatch.setattr(budget_space, "static_schedules", lambda sigmas: schedules(sigmas)[:2])
 
 
 def test_the_adapter_calibrates_what_our_command_measures(wan, tmp_path, monkeypatch):
@@ -80,7 +80,7 @@ def test_the_adapter_calibrates_what_our_command_measures(wan, tmp_path, monkeyp
         assert profile["magcache"][branch] == pytest.approx(per_step, abs=2e-6)
     once = runner(lambda plan: TorchBackend({None: model}, plan), wan.ours, wan.shape,
                   steps=STEPS, solver=wan.ours.solver, shift=wan.ours.shift)
-    space = budget.space(wan.ours.solver, STEPS, wan.ours.shift)
+    space = budget_space.space(wan.ours.solver, STEPS, wan.ours.shift)
     measured = calibration.measure_space(once, ours, space=space)
     block = profile["budget"]
     assert block["model"] in ("wan-tiny-trained", "wan-tiny-ti2v")
@@ -98,8 +98,8 @@ def test_the_adapter_calibrates_what_our_command_measures(wan, tmp_path, monkeyp
 def test_the_static_schedules_of_a_diffusers_scheduler_are_our_samplers(wan):
     pipe = wan.make()
     pipe.scheduler.set_timesteps(STEPS)
-    theirs = budget.static_schedules([float(s) for s in pipe.scheduler.sigmas])
-    ours = budget.run_static_schedules(wan.ours.solver, STEPS, wan.ours.shift)
+    theirs = budget_space.static_schedules([float(s) for s in pipe.scheduler.sigmas])
+    ours = budget_space.run_static_schedules(wan.ours.solver, STEPS, wan.ours.shift)
     assert [label for label, _ in theirs] == [label for label, _ in ours]
     assert [fields for _, fields in theirs] == [fields for _, fields in ours]
 
@@ -173,8 +173,8 @@ def test_a_seeded_generator_is_a_draw_sampled_alike_every_time(wan, tmp_path, mo
     # each draw runs many times: its generator is put back before every call, so a
     # configuration that computes every call errs 0 against the draw's uncached run (from other
     # noise it would err ~1)
-    monkeypatch.setattr(budget, "SPACE", (("TeaCache 0", {"teacache": {"threshold": 0.0}}),))
-    monkeypatch.setattr(budget, "static_schedules", lambda sigmas: ())
+    monkeypatch.setattr(budget_space, "SPACE", (("TeaCache 0", {"teacache": {"threshold": 0.0}}),))
+    monkeypatch.setattr(budget_space, "static_schedules", lambda sigmas: ())
     draws = _draws(wan, (1, 2))
     for seed, draw in zip((1, 2), draws, strict=True):
         del draw["latents"]  # the pipeline draws its own, from the generator

@@ -8,7 +8,7 @@ import torch
 
 from bench import fragile_prompts as fp
 from cache.flags import config_from_fields
-from sampling.budget import static_fields
+from sampling.budget_space import static_fields
 
 
 def test_protected_adds_the_first_steps_to_a_schedule_and_warms_up_a_threshold():

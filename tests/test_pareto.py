@@ -231,10 +231,10 @@ def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
     # written, so a page killed after hours of calibration resumes (sampling/calibration_runs.py)
     from bench import pareto_budget
     from commands import calibrate
-    from sampling import budget
+    from sampling import budget_space
     from tests.test_calibrate import SMALL_SPACE
 
-    monkeypatch.setattr(budget, "space", lambda *_: SMALL_SPACE[:2])
+    monkeypatch.setattr(budget_space, "space", lambda *_: SMALL_SPACE[:2])
     wl = workload("wan", steps=3)
     runs = pareto_budget.runs_path(str(tmp_path), "wan")
     first = pareto_budget.budget_profile(wl, str(tmp_path / "profile.json"), runs=runs)

@@ -18,7 +18,7 @@ import stage2_transformer_flax_deepcache as stage2
 from cache import ConfigError, TeaCacheConfig
 from cache.teacache_profiles import PolyProfile, ProfileError, load_profile_file
 from commands import calibrate
-from sampling import budget, calibration
+from sampling import budget, budget_profile, budget_space, calibration
 from sampling.budget import BudgetError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +34,7 @@ def written(tmp_path_factory):
     """A profile as `python -m commands.calibrate --budget` writes it (the real writer)."""
     path = tmp_path_factory.mktemp("calibrated") / "profile.json"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(budget, "space", lambda *_: SMALL_SPACE)
+        mp.setattr(budget_space, "space", lambda *_: SMALL_SPACE)
         assert calibrate.main(["--model", MODEL, "--samples", "2", "--num_inference_steps",
                                str(STEPS), "--degree", "2", "--budget", "--out", str(path)]) == 0
     profile = json.loads(path.read_text())
@@ -62,7 +62,7 @@ def one_line(exc) -> str:
 
 def test_a_freshly_written_profile_loads_as_both_kinds(tmp_path, written):
     path = tampered(tmp_path, written, lambda p: None)
-    measured = budget.load(path)
+    measured = budget_profile.load(path)
     assert measured == written["budget"]
     profile = load_profile_file(path)
     assert profile.coefficients == tuple(written["coefficients"])
@@ -76,9 +76,9 @@ def test_a_freshly_written_profile_loads_as_both_kinds(tmp_path, written):
 
 def test_the_shipped_budget_profiles_load():
     for family in ("wan", "hunyuan"):
-        measured = budget.load(str(ROOT / f"bench/results/pareto/budget_profile_{family}.json"))
+        measured = budget_profile.load(str(ROOT / f"bench/results/pareto/budget_profile_{family}.json"))
         # every shipped configuration was measured (the static schedules came later: issue 39)
-        assert {label for label, _ in budget.SPACE} <= {c["label"] for c in measured["candidates"]}
+        assert {label for label, _ in budget_space.SPACE} <= {c["label"] for c in measured["candidates"]}
 
 
 @pytest.mark.parametrize("change", [
@@ -97,7 +97,7 @@ def test_a_diverged_draw_is_a_valid_measurement_that_choose_leaves_out(tmp_path,
     def diverge(p):
         p["budget"]["candidates"][1]["rel_l2"][0] = float("nan")
         p["budget"]["candidates"][0]["rel_l2"][1] = float("inf")
-    measured = budget.load(tampered(tmp_path, written, diverge))
+    measured = budget_profile.load(tampered(tmp_path, written, diverge))
     assert math.isnan(measured["candidates"][1]["rel_l2"][0])
     assert budget.choose(measured, rel_err=1e9) is None
     assert budget.pooled_spread(measured["candidates"]) == 0.0  # no finite spread to pool
@@ -204,7 +204,7 @@ def test_a_tampered_budget_profile_is_refused_naming_the_field(tmp_path, written
                                                                expected):
     path = tampered(tmp_path, written, change)
     with pytest.raises(BudgetError) as refused:
-        budget.load(path)
+        budget_profile.load(path)
     message = one_line(refused.value)
     assert message.startswith(f"--budget_profile {path}: {field}"), message
     assert expected in message.split(field, 1)[1], message
@@ -305,7 +305,7 @@ FILE_CASES = [
 def test_a_file_that_is_no_profile_is_refused_in_one_line(tmp_path, make, expected, kind):
     path = tmp_path / "profile.json"
     make(path)
-    loader, error, prefix = ((budget.load, BudgetError, "--budget_profile") if kind == "budget"
+    loader, error, prefix = ((budget_profile.load, BudgetError, "--budget_profile") if kind == "budget"
                              else (load_profile_file, ProfileError, "TeaCache profile"))
     with pytest.raises(error) as refused:
         loader(str(path))
@@ -315,7 +315,7 @@ def test_a_file_that_is_no_profile_is_refused_in_one_line(tmp_path, make, expect
 
 def test_a_missing_budget_profile_is_refused_in_one_line(tmp_path):
     with pytest.raises(BudgetError) as refused:
-        budget.load(str(tmp_path / "none.json"))
+        budget_profile.load(str(tmp_path / "none.json"))
     assert one_line(refused.value) == (f"--budget_profile {tmp_path / 'none.json'}: cannot read "
                                        "it (No such file or directory)")
 
@@ -417,7 +417,7 @@ def test_an_error_of_0_on_a_draw_that_reused_blocks_is_refused(tmp_path, written
     path = tampered(tmp_path, written, _zero_error_where_it_reused)
     label = written["budget"]["candidates"][0]["label"]
     with pytest.raises(BudgetError) as refused:
-        budget.load(path)
+        budget_profile.load(path)
     assert one_line(refused.value) == (
         f"--budget_profile {path}: budget.candidates[0].rel_l2[0] 0.0: expected an error > 0 "
         f"({label!r} reused blocks on that draw, computing 0.5 of them, and a reuse never "
@@ -428,13 +428,13 @@ def test_an_error_of_0_on_a_draw_that_computed_everything_is_a_measurement(tmp_p
     def nothing_reused(p):
         p["budget"]["candidates"][0]["rel_l2"][0] = 0.0
         p["budget"]["candidates"][0]["computed"][0] = 1.0
-    assert budget.load(tampered(tmp_path, written, nothing_reused))["candidates"][0]["rel_l2"][0] == 0
+    assert budget_profile.load(tampered(tmp_path, written, nothing_reused))["candidates"][0]["rel_l2"][0] == 0
 
 
 def test_tail_blocks_beyond_the_model_are_refused_naming_the_file(tmp_path, written):
     path = tampered(tmp_path, written, _bn_beyond_the_model)
     with pytest.raises(BudgetError) as refused:
-        budget.load(path)
+        budget_profile.load(path)
     message = one_line(refused.value)
     assert message.startswith(f"--budget_profile {path}: budget.candidates[0].config.bn_blocks "
                               "1000: expected probe blocks ("), message

@@ -28,8 +28,7 @@ import torch
 
 from cache import CMConfig, TeaCacheConfig
 from cache.teacache_profiles import SIGNALS
-from sampling import budget as budgets
-from sampling import calibration
+from sampling import budget_space, calibration
 from sampling.calibration_runs import RunMemo
 from sampling.calibration_runs import identity as runs_identity
 from sampling.errors import StageFileError
@@ -203,7 +202,7 @@ def calibrate(pipe, draws, *, out: str, budget: bool = False, screen_draws=(),
                 shift=shift, shape=[], pipeline=type(pipe).__name__, draws=digest))
         except StageFileError as exc:
             raise CacheSettingsError(str(exc)) from None
-        space = budgets.SPACE + budgets.static_schedules(sampled["sigmas"])
+        space = budget_space.SPACE + budget_space.static_schedules(sampled["sigmas"])
         with torch.no_grad():
             candidates = calibration.measure_space(once, first, space=space, log=log, memo=memo)
             block = calibration.budget_block(candidates, pipe_name=models[0],

@@ -14,7 +14,7 @@ from cache.flags import add_cache_arguments, config_from_args
 from cache.validate import ConfigError
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
-from sampling.budget import load as budget_load
+from sampling.budget_profile import load as budget_load
 
 BUDGET = ("budget_rel_err", "budget_speedup", "budget_profile")
 
