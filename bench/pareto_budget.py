@@ -35,7 +35,7 @@ SPEEDUPS = {"random": _SPEEDUPS, "trained": _SPEEDUPS}
 
 def runs_path(out: str, family: str) -> str:
     """Where a page's calibration keeps its finished runs until the page is written: a killed
-    page resumes its calibration from them (commands/calibration_runs.py)."""
+    page resumes its calibration from them (sampling/calibration_runs.py)."""
     return os.path.join(out, f"budget_runs_{family}.jsonl")
 
 
