@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.fixtures import families as F  # noqa: E402
-from bench.fixtures.evaluate import lincomb  # noqa: E402
+from bench.fixtures.sampler import lincomb  # noqa: E402
 from bench.page import machine, write_section  # noqa: E402
 from bench.pareto_workload import FOLLOW_SEEDS, build_workload, trained_families  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402

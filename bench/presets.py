@@ -61,18 +61,16 @@ def preset_config(name: str) -> CMConfig:
     return config_from_args(parser.parse_args(["--preset", name]))
 
 
-class _Pipeline:
-    """A named tiny pipeline pointed at a deeper config of the same family."""
+def deeper_pipeline(name: str, config):
+    """The named tiny pipeline pointed at a deeper config of the same family."""
+    base = PIPELINES[name]
 
-    def __new__(cls, name, config):
-        base = PIPELINES[name]
+    class Deep(type(base)):
+        @property
+        def config(self):
+            return config
 
-        class Deep(type(base)):
-            @property
-            def config(self):
-                return config
-
-        return Deep(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+    return Deep(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
 
 
 def cases(blocks: int):
@@ -80,8 +78,8 @@ def cases(blocks: int):
                              hidden_size=64, num_heads=4, rope_axes=(4, 6, 6))
     wn = dataclasses.replace(wan.CONFIGS["wan-tiny-ti2v"], num_layers=blocks, dim=48, ffn_dim=96,
                              num_heads=4)
-    yield "HunyuanVideo-1.5 (euler)", _Pipeline("hunyuanvideo-tiny", hy), hy
-    yield "Wan2.2 TI2V (unipc)", _Pipeline("wan-tiny-ti2v", wn), wn
+    yield "HunyuanVideo-1.5 (euler)", deeper_pipeline("hunyuanvideo-tiny", hy), hy
+    yield "Wan2.2 TI2V (unipc)", deeper_pipeline("wan-tiny-ti2v", wn), wn
 
 
 def blocks_fraction(traj, num_blocks, plan) -> float:

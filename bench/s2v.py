@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.presets import _Pipeline, blocks_fraction  # noqa: E402
+from bench.presets import blocks_fraction, deeper_pipeline  # noqa: E402
 from bench.workload import smooth_in_t  # noqa: E402
 from cache import CMConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
 from modules import wan_s2v  # noqa: E402
@@ -64,7 +64,7 @@ def workload(blocks: int, clips: int):
     cfg = dataclasses.replace(wan_s2v.CONFIGS["wan-tiny-s2v"], num_layers=blocks, dim=48,
                               ffn_dim=96, num_heads=4,
                               audio_inject_layers=(*range(0, blocks - 1, 4), blocks - 1))
-    pipe = _Pipeline("wan-tiny-s2v", cfg)
+    pipe = deeper_pipeline("wan-tiny-s2v", cfg)
     torch.manual_seed(0)
     model = smooth_in_t(build_model(cfg))
     shape = pipe.latent_shape(*pipe.size)

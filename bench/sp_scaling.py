@@ -27,7 +27,7 @@ import datetime  # noqa: E402
 import torch  # noqa: E402
 
 from bench.page import command_line, machine, write_page  # noqa: E402
-from bench.presets import _Pipeline  # noqa: E402
+from bench.presets import deeper_pipeline  # noqa: E402
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
 from modules import hunyuan_video15  # noqa: E402
 from modules.registry import build_model  # noqa: E402
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     cfg = dataclasses.replace(hunyuan_video15.CONFIGS["hunyuanvideo-tiny"], num_layers=args.blocks,
                               hidden_size=HIDDEN, num_heads=HEADS, rope_axes=(2, 2, 4))
-    pipe = _Pipeline("hunyuanvideo-tiny", cfg)
+    pipe = deeper_pipeline("hunyuanvideo-tiny", cfg)
     torch.manual_seed(0)
     model = build_model(cfg)
     shape = pipe.latent_shape(128, 160, args.frames)

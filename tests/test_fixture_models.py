@@ -10,8 +10,8 @@ import torch
 
 from bench.fixtures import videos as V
 from bench.fixtures.evaluate import evaluate
+from bench.fixtures.models import MODELS
 from bench.fixtures.recipes import SPLIT_SEED
-from bench.fixtures.train import MODELS
 from modules.checkpoint import load_model
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"

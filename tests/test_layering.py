@@ -199,8 +199,14 @@ def test_top_level_scripts_are_thin():
         assert not defs, f"{script.name} defines {[d.name for d in defs]}; it should only call a command"
 
 
+def checked_modules() -> dict[str, Path]:
+    """The product rooms, and bench/ and tools/ (no cycle and no private name there either)."""
+    return {**product_modules(), **{module_name(p): p for d in ("bench", "tools")
+                                    for p in sorted((ROOT / d).rglob("*.py"))}}
+
+
 def _graph_and_private():
-    modules = product_modules()
+    modules = checked_modules()
     graph, private = {}, []
     for name, path in modules.items():
         graph[name], taken = module_imports(path, modules)
@@ -208,7 +214,7 @@ def _graph_and_private():
     return graph, private
 
 
-def test_no_import_cycle_between_product_modules():
+def test_no_import_cycle_between_modules_of_the_product_bench_and_tools():
     graph, _ = _graph_and_private()
     cycles = import_cycles(graph)
     new = [" -> ".join(f"{a} (line {graph[a][b]})" for a, b in pairwise(c)) + f" -> {c[-1]}"
@@ -218,9 +224,9 @@ def test_no_import_cycle_between_product_modules():
     assert not gone, f"no longer cycles, remove them from KNOWN_CYCLES: {gone}"
 
 
-def test_no_private_name_is_taken_from_another_product_module():
+def test_no_private_name_is_taken_from_another_module_of_the_product_bench_and_tools():
     _, private = _graph_and_private()
-    paths = product_modules()
+    paths = checked_modules()
     new = [f"{paths[m].relative_to(ROOT)}:{line} takes {name} from {source}"
            for m, line, source, name in private if (m, source, name) not in KNOWN_PRIVATE]
     assert not new, "private names across modules (make them public or keep them home):\n" + \
