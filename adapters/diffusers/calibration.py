@@ -164,9 +164,9 @@ def calibrate(pipe, draws, *, out: str, budget: bool = False, screen_draws=(),
             report = cache_report(pipe)
         finally:
             disable_cache(pipe)
-        scheduler = pipe.scheduler
-        sampled.setdefault("steps", report["steps"])
-        sampled.setdefault("sigmas", [float(s) for s in scheduler.sigmas])
+        if not sampled:  # the first run: every draw samples the same schedule
+            sampled.update(steps=report["steps"],
+                           sigmas=[float(s) for s in pipe.scheduler.sigmas])
         return latents.detach().to("cpu", torch.float32), report
 
     def observed_run(i, _draw, observe):
