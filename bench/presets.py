@@ -40,10 +40,11 @@ import torch  # noqa: E402
 from bench.page import command_line, machine, trained_step, versions, write_section  # noqa: E402
 from bench.workload import SIGNAL_SCALES, signal_scale, smooth_in_t  # noqa: E402
 from cache import CMConfig, DeepCacheConfig, TeaCacheConfig  # noqa: E402
-from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
+from cache.flags import config_of  # noqa: E402
 from cache.preset import PRESETS, load_preset  # noqa: E402
 from modules import hunyuan_video15, wan  # noqa: E402
 from modules.registry import build_model  # noqa: E402
+from sampling.cache_cli import add_cache_arguments, cache_flags  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
@@ -58,7 +59,7 @@ REFERENCE = CMConfig(teacache=TeaCacheConfig(threshold=0.0))  # computes every c
 def preset_config(name: str) -> CMConfig:
     parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
-    return config_from_args(parser.parse_args(["--preset", name]))
+    return config_of(cache_flags(parser.parse_args(["--preset", name])))
 
 
 def deeper_pipeline(name: str, config):

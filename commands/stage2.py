@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from cache import CMConfig, ConfigError
-from cache.flags import add_cache_arguments
 from cache.telemetry import trace_csv
 from modules import ops
 from modules.checkpoint import model_fingerprint, reader_fingerprint
@@ -27,6 +26,7 @@ from modules.layers import ModelConfigError
 from modules.layouts import CheckpointError
 from sampling import progress
 from sampling.budget import BudgetError
+from sampling.cache_cli import add_cache_arguments
 from sampling.cli import CommandParser, add_compile_cache_flag, command
 from sampling.clips import decode_inputs, decode_metadata, sample_clips
 from sampling.errors import StageFileError, UsageError

@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from cache import CMConfig
-from cache.flags import config_from_args
+from cache.flags import config_of
 from encoders import EncoderInputError
 from encoders.word_table import FOLDER as WORD_TABLE
 from modules.registry import family_of
@@ -20,6 +20,7 @@ from sampling import platforms
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
 from sampling.budget_profile import load as budget_load
+from sampling.cache_cli import cache_flags
 from sampling.calibration import profile_files
 from sampling.cli import as_int, as_number
 from sampling.errors import StageFileError, UsageError
@@ -194,7 +195,7 @@ def _budgeted(args, pipe) -> tuple[CMConfig, dict]:
         raise UsageError(f"--budget_profile {args.budget_profile} was calibrated for "
                          f"{calibrated['model']}; this run is {pipe.name}: calibrate it for "
                          f"{pipe.name}")
-    config = config_from_args(args, choice.fields if choice is not None else {})
+    config = config_of(cache_flags(args), choice.fields if choice is not None else {})
     chosen = (dict.fromkeys(("choice", "config", "bound_rel_err", "typical_rel_err",
                              "predicted_computed_fraction"))
               if choice is None else
@@ -224,7 +225,7 @@ def resolve(args, given: tuple[dict, dict] | None = None) -> RunSpec:
         raise UsageError(f"unknown model {name!r}" + ("" if args.model else " (from the input "
                          "config)") + f"; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
-    config, budget = _budgeted(args, pipe) if args.budget_profile else (config_from_args(args),
+    config, budget = _budgeted(args, pipe) if args.budget_profile else (config_of(cache_flags(args)),
                                                                       None)
     if args.offload_model and args.cache_offload is None:
         # Seed 000: with the model offloaded, residuals wait on the host and move on use.

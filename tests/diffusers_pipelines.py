@@ -15,9 +15,10 @@ from adapters.diffusers.tiny import (
     make_pipeline,
     our_trajectory,
 )
-from cache.flags import add_cache_arguments, config_from_args
+from cache.flags import config_of
 from commands.stage2_backend import load_models
 from modules.checkpoint import load_model
+from sampling.cache_cli import add_cache_arguments, cache_flags
 from sampling.pipelines import get_pipeline
 
 SECOND = "bench/fixtures/heldout/tiny-wan-ti2v-seed7"  # a second Wan of the same shape
@@ -26,7 +27,7 @@ SECOND = "bench/fixtures/heldout/tiny-wan-ti2v-seed7"  # a second Wan of the sam
 def cache_config(flags: list[str]):
     parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
-    return config_from_args(parser.parse_args(flags))
+    return config_of(cache_flags(parser.parse_args(flags)))
 
 
 def settings(flags: list[str]) -> dict:

@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from cache import TeaCacheConfig
-from cache.flags import config_from_args
+from cache.flags import config_of
 from cache.teacache import LINEAR_THRESHOLD
 from commands import calibrate, stage2
 from commands.stage2_report import NOISE, estimate_speedup, speedup_remarks
 from modules.checkpoint import model_fingerprint
 from sampling import calibration
+from sampling.cache_cli import cache_flags
 from sampling.pipelines import get_pipeline
 
 COEFFICIENTS = [0.0, 0.0, 0.0, 1.0, 0.0]  # the identity: rescaled == rel
@@ -35,10 +36,10 @@ def test_a_profiles_stored_threshold_is_honoured_unless_a_flag_says_otherwise(tm
     assert TeaCacheConfig().threshold == LINEAR_THRESHOLD
     parser = stage2.build_parser()
     args = parser.parse_args(["--teacache", "--teacache_policy", f"poly:{path}"])
-    assert config_from_args(args).teacache.threshold == 0.37
+    assert config_of(cache_flags(args)).teacache.threshold == 0.37
     args = parser.parse_args(["--teacache", "--teacache_policy", f"poly:{path}",
                               "--teacache_thresh", "0.2"])
-    assert config_from_args(args).teacache.threshold == 0.2
+    assert config_of(cache_flags(args)).teacache.threshold == 0.2
 
 
 def test_a_poor_fit_warns_and_says_what_to_do():

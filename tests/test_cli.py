@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from cache import ConfigError
-from cache.flags import config_from_args
+from cache.flags import config_of
 from commands import stage1, stage2
 from commands.stage2 import build_parser
+from sampling.cache_cli import cache_flags
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, get_pipeline
 from sampling.stage_io import EMBEDDINGS, read_stage2, write_stage
 
@@ -152,7 +153,7 @@ def test_bad_flags_exit_nonzero_with_a_message(tmp_path):
 
 
 def parse(*args):
-    return config_from_args(build_parser().parse_args(list(args)))
+    return config_of(cache_flags(build_parser().parse_args(list(args))))
 
 
 def test_flags_map_onto_the_config():

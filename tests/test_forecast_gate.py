@@ -107,11 +107,12 @@ def test_forecast_gate_config_is_checked():
 
 
 def test_flags_map_onto_the_forecast_gate():
-    from cache.flags import config_from_args
+    from cache.flags import config_of
+    from sampling.cache_cli import cache_flags
     from commands.stage2 import build_parser
 
     def parse(*args):
-        return config_from_args(build_parser().parse_args(list(args)))
+        return config_of(cache_flags(build_parser().parse_args(list(args))))
 
     cfg = parse("--fbcache", "--fb_metric", "residual_tensor_rel_l1", "--fb_accumulate", "true",
                 "--forecast", "2", "--forecast_gate", "true", "--forecast_reach", "1.5")
@@ -168,7 +169,8 @@ def test_step_weight_exponent_and_its_absence():
 
 
 def test_step_weight_config_and_flag_are_checked():
-    from cache.flags import config_from_args
+    from cache.flags import config_of
+    from sampling.cache_cli import cache_flags
     from commands.stage2 import build_parser
 
     for bad in (-1.0, float("nan"), True):
@@ -179,7 +181,7 @@ def test_step_weight_config_and_flag_are_checked():
     assert CMConfig().step_weight == 0.0  # off by default
 
     def parse(*args):
-        return config_from_args(build_parser().parse_args(list(args)))
+        return config_of(cache_flags(build_parser().parse_args(list(args))))
 
     assert parse("--fbcache", "--step_weight", "1").step_weight == 1.0
     with pytest.raises(ConfigError, match="--step_weight"):

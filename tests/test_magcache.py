@@ -7,7 +7,8 @@ import json
 import pytest
 
 from cache import CacheManager, CMConfig, ConfigError, MagCacheConfig
-from cache.flags import add_cache_arguments, config_from_args
+from cache.flags import config_of
+from sampling.cache_cli import add_cache_arguments, cache_flags
 from tests.gate_driver import run
 
 # ratio per step; retention 0.2 of 10 steps keeps steps 0-1. By hand (threshold 0.06, K 2):
@@ -65,7 +66,7 @@ def test_no_signal_no_probe():
 def parse(argv):
     parser = argparse.ArgumentParser()
     add_cache_arguments(parser)
-    return config_from_args(parser.parse_args(argv))
+    return config_of(cache_flags(parser.parse_args(argv)))
 
 
 def test_flags_read_the_profile_and_refuse_what_is_missing(tmp_path):

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from cache import CacheManager, CMConfig, ConfigError, DeepCacheConfig, Signals
-from cache.flags import add_cache_arguments, config_from_args
+from cache.flags import config_of
 from cache.residuals import NumpyOps
+from sampling.cache_cli import add_cache_arguments, cache_flags
 from sampling.stages import Middle, SignalPlan, check_remodulate, local_context, remodulated
 from tests.model_inputs import random_model, rel_err, wan_inputs
 from tests.test_stage2_jax import run
@@ -138,7 +139,7 @@ def test_flag_and_config():
     ap = argparse.ArgumentParser()
     add_cache_arguments(ap)
     args = ap.parse_args(["--enable_cache", "--cache_type", "deepcache", "--remodulate", "true"])
-    assert config_from_args(args).remodulate is True
+    assert config_of(cache_flags(args)).remodulate is True
     with pytest.raises(ConfigError, match="remodulate"):
         CMConfig(remodulate="yes")
 

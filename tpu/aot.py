@@ -39,11 +39,12 @@ quiet_cpu_default()  # before jax: see its docstring
 import torch  # noqa: E402
 
 from cache import ConfigError  # noqa: E402
-from cache.flags import add_cache_arguments, config_from_args  # noqa: E402
+from cache.flags import config_of  # noqa: E402
 from modules.checkpoint import cast_model, load_model  # noqa: E402
 from modules.layers import ModelConfigError  # noqa: E402
 from modules.layouts import CheckpointError  # noqa: E402
 from modules.registry import build_model  # noqa: E402
+from sampling.cache_cli import add_cache_arguments, cache_flags  # noqa: E402
 from sampling.cli import as_number, command  # noqa: E402
 from sampling.clips import fit_motion, motion_frames  # noqa: E402
 from sampling.errors import StageFileError, UsageError  # noqa: E402
@@ -130,7 +131,7 @@ def run(args) -> dict:
     chips = math.prod(dims) * chip.devices_per_chip
     pipe = get_pipeline(args.model)
     # the resolution stage 2 makes of the same flags (sampling.run_spec): the same refusals
-    config = with_cfg_parallel(config_from_args(args), args.cfg_parallel, args.cfg_mode)
+    config = with_cfg_parallel(config_of(cache_flags(args)), args.cfg_parallel, args.cfg_mode)
     sp, cfg = args.sp_size, 2 if args.cfg_parallel else 1
     if sp < 1:
         raise AotError(f"--sp_size {sp}: expected >= 1")

@@ -10,11 +10,12 @@ import difflib
 from dataclasses import dataclass
 
 from cache import CMConfig
-from cache.flags import add_cache_arguments, config_from_args
+from cache.flags import config_of
 from cache.validate import ConfigError
 from sampling.budget import BudgetError
 from sampling.budget import choose as budget_choose
 from sampling.budget_profile import load as budget_load
+from sampling.cache_cli import add_cache_arguments, cache_flags
 
 BUDGET = ("budget_rel_err", "budget_speedup", "budget_profile")
 
@@ -113,7 +114,7 @@ def resolve(settings: dict, models: tuple[str, ...]) -> Settings:
                   "bound_rel_err": choice.bound if choice else None,
                   "calibrated_steps": calibrated["steps"], **target}
     try:
-        config = config_from_args(args, fields)
+        config = config_of(cache_flags(args), fields)
     except ConfigError as exc:
         raise CacheSettingsError(str(exc)) from None
     return Settings(config, chosen)
