@@ -153,8 +153,9 @@ class Calibration:
     runs: str | None = None  # where finished budget runs are kept, and resumed from
 
 
-def resolve(args) -> Calibration:
-    """The flags, checked before any model is loaded or program compiled."""
+def request_of(args: argparse.Namespace) -> Calibration:
+    """The command line's request, its flags checked before any model is loaded or program
+    compiled: the one place calibrate reads its Namespace."""
     pipe = get_pipeline(args.model)
     samples = as_int("--samples", args.samples, minimum=1)
     steps = as_int("--num_inference_steps", args.num_inference_steps
@@ -194,8 +195,8 @@ def resolve(args) -> Calibration:
                        runs=args.runs)
 
 
-def run(args) -> dict:
-    return calibrate(resolve(args))
+def run(args: argparse.Namespace) -> dict:
+    return calibrate(request_of(args))
 
 
 def _backend(kind: str, models: dict, plan):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
+import dataclasses
 import functools
 import gc
 import json
@@ -47,12 +47,12 @@ import numpy as np
 
 from encoders.request import EncoderInputError
 from sampling.claims import CLAIMS, LEASE, Claims
-from sampling.cli import CommandParser, as_int, as_number, command
+from sampling.cli import CommandParser, as_int, as_number, command, leaves, typed
 from sampling.errors import StageFileError, UsageError
 from sampling.journal import Staged
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE
-from sampling.run_spec import DEFAULT_SEED, RunSpec, from_flags
+from sampling.run_spec import DEFAULT_SEED, RunSpec
 from sampling.stage_io import (
     CONFIG,
     EMBEDDINGS,
@@ -81,6 +81,9 @@ from .resume import (
     request_id,
     resuming,
 )
+from .stage1 import Inputs
+from .stage2_resolve import Stage2Request
+from .stage3 import DecodeReport, Stage3Request
 
 ERRORS = (*stage1.ERRORS, *stage2.ERRORS, *stage3.ERRORS)
 MAX_PROMPTS = 10_000
@@ -151,12 +154,6 @@ def _line(path: str, number: int, text: str) -> dict:
     return entry
 
 
-def read_prompts(args) -> list[dict]:
-    """The job's prompts, each {"prompt", and optionally "negative_prompt", "image", "audio",
-    "seed"}, checked line by line."""
-    return [entry for _, entry in numbered_prompts(args)]
-
-
 SHOWN = 80  # characters of a refused prompt echoed back (a line can be 200 KB)
 
 
@@ -165,30 +162,32 @@ def shown(text: str) -> str:
     return repr(text) if len(text) <= SHOWN else f"{text[:SHOWN]!r}... ({len(text):,} characters)"
 
 
-def numbered_prompts(args) -> list[tuple[str, dict]]:
-    """read_prompts with where each prompt came from ("--prompt", "--prompts FILE line N")."""
-    if (args.prompt is None) == (args.prompts is None):
+def numbered_prompts(prompt: str | None, prompts: str | None) -> list[tuple[str, dict]]:
+    """The job's prompts, each {"prompt", and optionally "negative_prompt", "image", "audio",
+    "seed"}, checked line by line, with where each came from ("--prompt", "--prompts FILE line
+    N"): the --prompt flag's, or the --prompts file's."""
+    if (prompt is None) == (prompts is None):
         raise UsageError("give --prompt TEXT or --prompts FILE (one of them)")
-    if args.prompt is not None:
-        if not args.prompt.strip():
+    if prompt is not None:
+        if not prompt.strip():
             raise UsageError("--prompt '': expected a prompt")
-        return [("--prompt", {"prompt": args.prompt})]
+        return [("--prompt", {"prompt": prompt})]
     try:
-        with open(args.prompts, encoding="utf-8") as f:
+        with open(prompts, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except FileNotFoundError:
-        raise UsageError(f"--prompts {args.prompts} does not exist; expected a text file of "
+        raise UsageError(f"--prompts {prompts} does not exist; expected a text file of "
                          "prompts") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"--prompts {args.prompts} cannot be read ({exc}); expected a UTF-8 "
+        raise UsageError(f"--prompts {prompts} cannot be read ({exc}); expected a UTF-8 "
                          "text file of prompts") from None
-    entries = [(f"--prompts {args.prompts} line {n}", _line(args.prompts, n, text))
+    entries = [(f"--prompts {prompts} line {n}", _line(prompts, n, text))
                for n, text in enumerate(lines, 1)
                if text.strip() and not text.lstrip().startswith("#")]
     if not entries:
-        raise UsageError(f"--prompts {args.prompts} holds no prompt; expected one a line")
+        raise UsageError(f"--prompts {prompts} holds no prompt; expected one a line")
     if len(entries) > MAX_PROMPTS:
-        raise UsageError(f"--prompts {args.prompts} holds {len(entries)} prompts; expected at "
+        raise UsageError(f"--prompts {prompts} holds {len(entries)} prompts; expected at "
                          f"most {MAX_PROMPTS} a job")
     return entries
 
@@ -210,75 +209,110 @@ def _root(output_dir: str | None) -> str:
 
 # --- the job -----------------------------------------------------------------------------------
 
-def run(args) -> dict:
-    if args.input_dir is not None:
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """The command line, typed: its own flags, stage 1's conditioning and encoders, and stage
+    2's flags (each prompt's run is `sample` with the prompt's folder and seed)."""
+
+    prompt: str | None
+    prompts: str | None
+    overwrite: bool
+    claims_dir: str | None
+    claim_lease: float
+    vae_path: str | None
+    fps: float | None
+    inputs: Inputs
+    sample: Stage2Request
+
+
+def request_of(args: argparse.Namespace) -> GenerateRequest:
+    """The command line's request: the one place this command reads its Namespace."""
+    return typed(GenerateRequest, args)
+
+
+def run(args: argparse.Namespace) -> dict:
+    return generate(request_of(args))
+
+
+def generate(r: GenerateRequest) -> dict:
+    """Every prompt to its video; returns the job's report."""
+    if r.sample.input_dir is not None:
         raise UsageError("--input_dir: this command makes its own stage-1 inputs from the "
                          "prompts; run stage2_transformer_flax_deepcache.py for a stage-1 folder")
-    args.model = args.model or DEFAULT_PIPELINE
-    numbered = numbered_prompts(args)
+    r = dataclasses.replace(r, sample=dataclasses.replace(
+        r.sample, model=r.sample.model or DEFAULT_PIPELINE))
+    sample, inputs = r.sample, r.inputs
+    numbered = numbered_prompts(r.prompt, r.prompts)
     entries = [entry for _, entry in numbered]
-    pipe = stage1.pipeline_of(args)
-    folders = _folders(_root(args.output_dir), len(entries))
-    base_seed = args.seed if args.seed is not None else DEFAULT_SEED
+    pipe = stage1.pipeline_of(sample.model)
+    folders = _folders(_root(sample.output_dir), len(entries))
+    base_seed = sample.seed if sample.seed is not None else DEFAULT_SEED
+    flags = leaves(r)
     jobs = []
     for i, (entry, folder) in enumerate(zip(entries, folders, strict=True)):
-        request = stage1.request_of(args, entry["prompt"], **{
-            k: entry.get(k) for k in ("negative_prompt", "image", "audio")})
-        run_args = copy.copy(args)
-        run_args.output_dir = folder
-        run_args.seed = entry.get("seed", (base_seed + i) % 2 ** 64)
+        request = stage1.encoder_request(
+            inputs, entry["prompt"], height=sample.height, width=sample.width,
+            frames=sample.video_length, clips=sample.num_clips,
+            **{k: entry.get(k) for k in ("negative_prompt", "image", "audio")})
+        seed = entry.get("seed", (base_seed + i) % 2 ** 64)
         check_writable(folder, "--output_dir", (EMBEDDINGS, CONFIG, LATENTS, VIDEO)
-                       + ((UNCACHED_VIDEO, STRIP) if args.compare else ()))
+                       + ((UNCACHED_VIDEO, STRIP) if sample.compare else ()))
         try:
-            stage1.check(pipe, request, args.encoder_path, args.random_encoders)
+            stage1.check(pipe, request, inputs.encoder_path, inputs.random_encoders)
         except EncoderInputError as exc:
             if exc.name not in ("--prompt", "--negative_prompt"):
                 raise
             # name the file and line of a batch's prompt, and quote a long one only in part
             text = request.prompt if exc.name == "--prompt" else request.negative_prompt or ""
             problem = exc.problem.replace(repr(text), shown(text), 1)
-            where = numbered[i][0] if args.prompts is not None else exc.name
-            if args.prompts is not None and exc.name == "--negative_prompt":
+            where = numbered[i][0] if r.prompts is not None else exc.name
+            if r.prompts is not None and exc.name == "--negative_prompt":
                 where += ' "negative_prompt"' if "negative_prompt" in entry else " (--negative_prompt)"
             raise EncoderInputError(where, problem, exc.expected) from None
-        jobs.append(Job(request, functools.partial(stage2.resolve, run_args), folder,
-                        request_id(args, entry, run_args.seed, pipe.name)))
+        jobs.append(Job(request, functools.partial(
+            stage2.resolve, dataclasses.replace(sample, output_dir=folder, seed=seed)), folder,
+            request_id(flags, entry, seed, pipe.name)))
     # stage 2's flags, sizes and outputs, checked on the first prompt: refused here, before any
     # model loads
     jobs[0].resolve(None)
-    stage3_args = stage3.build_parser().parse_args([])
-    stage3_args.vae_path, stage3_args.fps = args.vae_path, args.fps
-    stage3_args.compile_cache_dir = args.compile_cache_dir  # one cache for both stages
-    if args.fps is not None:
-        as_number("--fps", args.fps, minimum=stage3.MIN_FPS, maximum=stage3.MAX_FPS)
-    as_number("--claim_lease", args.claim_lease, minimum=1.0, maximum=86400.0)
+    # stage 3 of each prompt, in its folder; one compile cache for both stages
+    decode = Stage3Request(input_dir=folders[0], output_dir=None, model=None, vae_path=r.vae_path,
+                           fps=r.fps, dtype=stage3.DEFAULT_DTYPE, backend=None, device=None,
+                           compile_cache_dir=sample.compile_cache_dir, patch_parallel=False,
+                           grid=None, tiled=False, tile_size=None)
+    if r.fps is not None:
+        as_number("--fps", r.fps, minimum=stage3.MIN_FPS, maximum=stage3.MAX_FPS)
+    as_number("--claim_lease", r.claim_lease, minimum=1.0, maximum=86400.0)
     shared = len(jobs) > 1  # a batch: its workers share the folder, each prompt by its claim
-    if shared and args.claims_dir is not None:
-        check_writable(args.claims_dir, "--claims_dir")
+    if shared and r.claims_dir is not None:
+        check_writable(r.claims_dir, "--claims_dir")
 
-    if args.multihost:  # before anything touches JAX (importing the backend does)
+    if sample.multihost:  # before anything touches JAX (importing the backend does)
         from tpu.compile import cache_dir_of, enable_compile_cache
         from tpu.distributed import initialize
-        initialize(args.coordinator_address, args.num_processes, args.process_id)
+        initialize(sample.coordinator_address, sample.num_processes, sample.process_id)
         # the processes agree on each prompt's state (`resume.agree`, a psum) before stage 2 turns
         # the persistent cache on: without it there, that program compiled again on every run
-        enable_compile_cache(cache_dir_of(args.compile_cache_dir))
-    writer = stage2.backend_writer(args.multihost)
-    root = _root(args.output_dir)
+        enable_compile_cache(cache_dir_of(sample.compile_cache_dir))
+    writer = stage2.backend_writer(sample.multihost)
+    root = _root(sample.output_dir)
+    settings = Settings(overwrite=r.overwrite, compare=sample.compare, multihost=sample.multihost,
+                        encoder_path=inputs.encoder_path, encoder_device=inputs.encoder_device,
+                        vae_path=r.vae_path)
     with one_writer(root, shared=shared) if writer else contextlib.nullcontext():
-        claims = Claims(args.claims_dir or os.path.join(root, CLAIMS),
-                        batch.batch_id(j.id for j in jobs), args.claim_lease) \
+        claims = Claims(r.claims_dir or os.path.join(root, CLAIMS),
+                        batch.batch_id(j.id for j in jobs), r.claim_lease) \
             if writer and shared else None
         try:
-            report = _job(from_flags(Settings, args), pipe, jobs, stage3_args, writer, claims)
+            report = _job(settings, pipe, jobs, decode, writer, claims)
             if shared and writer:
                 report["index"] = batch.write_index(
                     root, jobs, [where for where, _ in numbered], claims, VIDEO,
-                    lambda j: folder_state(j.folder, j.id, args.compare) == DONE)
+                    lambda j: folder_state(j.folder, j.id, sample.compare) == DONE)
         finally:
             if claims is not None:
                 claims.close()
-    return {**report, "random_encoders": stage1.random_encoders_used(pipe, args)}
+    return {**report, "random_encoders": stage1.random_encoders_used(pipe, inputs.encoder_path)}
 
 
 _PER_CALL = ("trace", "histograms", "summary")
@@ -324,7 +358,7 @@ class Job:
         self.by_other = False  # made by another worker of the batch while this one ran
 
 
-def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool,
+def _job(settings: Settings, pipe, jobs: list[Job], decode_request: Stage3Request, writer: bool,
          claims: Claims | None = None) -> dict:
     began, began_wall = time.perf_counter(), time.time()
     n = len(jobs)
@@ -358,7 +392,7 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool,
 
     # stages 2 and 3 prompt by prompt: a video is final as soon as its prompt is decoded. One
     # backend, its programs built for the first sampled prompt's shapes; one VAE and decoder
-    backend, decode = None, _Decoder(settings.vae_path, stage3_args)
+    backend, decode = None, _Decoder(decode_request)
     turns = batch.turns(jobs, claims, lambda j: j.state != DONE, refresh, peek, say,
                         last=True) if writer else None
     with contextlib.closing(turns) if turns is not None else contextlib.nullcontext():
@@ -395,8 +429,8 @@ def _job(settings: Settings, pipe, jobs: list[Job], stage3_args, writer: bool,
                 out = decode(job)
                 # on JAX stage 3's counts (prepare, loop, process: `compiled` is what the
                 # persistent cache did not serve), as stage 2's; none on torch
-                job.decode = {"seconds": out["decode_seconds"], "compiles": out.get("compiles")}
-                say(f"{at} stage 3 {out['decode_seconds']:.2f} s  "
+                job.decode = {"seconds": out.decode_seconds, "compiles": out.compiles}
+                say(f"{at} stage 3 {out.decode_seconds:.2f} s  "
                     f"{os.path.join(job.folder, VIDEO)}")
             job.given = job.uncached = None  # a long batch holds one prompt's tensors at a time
     return {"model": pipe.name, "prompts": [j.request.prompt for j in jobs],
@@ -439,34 +473,32 @@ class _Decoder:
     """Stage 3 for every prompt of the job: one VAE, and on JAX one decoder whose programs
     compile for the first prompt's shapes and are reused by the next ones."""
 
-    def __init__(self, vae_path: str | None, stage3_args):
-        self.vae_path, self.stage3_args = vae_path, stage3_args
+    def __init__(self, request: Stage3Request):
+        self.request = request
         self.built, self.decoders = None, {}
         # The mp4 writer starts ffmpeg through subprocess, whose fork is followed by exec at
         # once; JAX's warning about forking a multithreaded process is for forks that go on
         # running Python
         warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
 
-    def __call__(self, job: Job) -> dict:
+    def __call__(self, job: Job) -> DecodeReport:
         own_config(job, LATENTS)  # never a video of another request's latents
-        decode_args = copy.copy(self.stage3_args)
-        decode_args.input_dir = job.folder
-        r3 = stage3.resolve(decode_args)
+        r3 = stage3.resolve(dataclasses.replace(self.request, input_dir=job.folder))
         device = stage3.device_for(None, None)
         if self.built is None:
-            self.built = stage3.build_vae(r3["pipe"], self.vae_path, r3["dtype"])
+            self.built = stage3.build_vae(r3.pipe, self.request.vae_path, r3.dtype)
         also = None
         if job.uncached is not None:  # --compare: the uncached video and a strip beside it
             also = Staged()
-            cached = stage3.video_frames(self.built[0], r3["latents"].to(device), r3["pipe"])
-            reference = stage3.video_frames(self.built[0], job.uncached.to(device), r3["pipe"])
-            also.add_folder(job.folder, lambda tmp, c=cached, u=reference, fps=r3["fps"]:
+            cached = stage3.video_frames(self.built[0], r3.latents.to(device), r3.pipe)
+            reference = stage3.video_frames(self.built[0], job.uncached.to(device), r3.pipe)
+            also.add_folder(job.folder, lambda tmp, c=cached, u=reference, fps=r3.fps:
                             _write_compare(tmp, c, u, fps), "--compare")
         try:
-            if r3["backend"] == "jax":  # stage 3's default, as stage 2's
-                out = stage3.decode_jax(decode_args, r3, self.built, also, self.decoders)
+            if r3.backend == "jax":  # stage 3's default, as stage 2's
+                out = stage3.decode_jax(r3, self.built, also, self.decoders)
             else:
-                out = stage3.decode_torch(decode_args, r3, 0, 1, device, self.built, also)
+                out = stage3.decode_torch(r3, 0, 1, device, self.built, also)
         finally:
             if also is not None:
                 also.discard()

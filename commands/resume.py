@@ -58,10 +58,11 @@ def _identity(path: str | None):
         return [real, None]
 
 
-def request_id(args, entry: dict, seed: int, model: str) -> str:
+def request_id(given: dict, entry: dict, seed: int, model: str) -> str:
     """One prompt's request: its line, seed and model and every flag that changes an output
-    (the files named by flags or lines as their contents), as a short hash."""
-    flags = {k: _identity(v) if k in _PATHS else v for k, v in sorted(vars(args).items())
+    (`given`: {flag's dest: value}, `sampling.cli.leaves` of the command's request; the files
+    named by flags or lines as their contents), as a short hash."""
+    flags = {k: _identity(v) if k in _PATHS else v for k, v in sorted(given.items())
              if k not in _NOT_REQUEST}
     line = {k: _identity(entry.get(k)) if k in _PATHS else entry.get(k) for k in LINE_KEYS}
     text = json.dumps({"flags": flags, "line": line, "seed": seed, "model": model},

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
 import encoders
 from encoders import EncoderInputError, Request
-from sampling.cli import CommandParser, as_int, command
+from sampling.cli import CommandParser, as_int, command, typed
 from sampling.errors import StageFileError, UsageError
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, get_pipeline
@@ -70,10 +71,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def request_of(args, prompt: str, **override) -> Request:
-    fields = dict(prompt=prompt, negative_prompt=args.negative_prompt, image=args.image,
-                  audio=args.audio, height=args.height, width=args.width,
-                  frames=args.video_length, clips=args.num_clips)
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """The stage-1 flags the prompt-to-video command shares: what conditions the prompt, and the
+    encoders."""
+
+    negative_prompt: str | None
+    image: str | None
+    audio: str | None
+    encoder_path: str | None
+    encoder_device: str
+    random_encoders: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage1Request:
+    """Stage 1's command line, typed (None: not given)."""
+
+    prompt: str
+    output_dir: str
+    model: str | None
+    height: int | None
+    width: int | None
+    video_length: int | None
+    num_clips: int | None
+    inputs: Inputs
+
+
+def request_of(args: argparse.Namespace) -> Stage1Request:
+    """The command line's request: the one place stage 1 reads its Namespace."""
+    return typed(Stage1Request, args)
+
+
+def encoder_request(inputs: Inputs | None, prompt: str, *, height=None, width=None, frames=None,
+                    clips=None, **override) -> Request:
+    """What the encoders get for `prompt`: the size and the conditioning (`inputs`' flags, each
+    replaced by a non-None `override`: a batch line's own image, say), checked."""
+    given = {k: getattr(inputs, k) if inputs is not None else None
+             for k in ("negative_prompt", "image", "audio")}
+    fields = dict(prompt=prompt, **given, height=height, width=width, frames=frames, clips=clips)
     fields.update({k: v for k, v in override.items() if v is not None})
     for flag, key in (("--height", "height"), ("--width", "width"),
                       ("--video_length", "frames"), ("--num_clips", "clips")):
@@ -85,9 +121,9 @@ def request_of(args, prompt: str, **override) -> Request:
     return Request(**fields)
 
 
-def pipeline_of(args):
+def pipeline_of(model: str | None):
     try:
-        return get_pipeline(args.model or DEFAULT_PIPELINE)
+        return get_pipeline(model or DEFAULT_PIPELINE)
     except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
 
@@ -119,22 +155,29 @@ def encode(pipe, request: Request, weights, device: str) -> tuple[dict, dict, di
     return tensors, metadata, config
 
 
-def run(args) -> dict:
-    pipe = pipeline_of(args)
-    request = request_of(args, args.prompt)
-    check_writable(args.output_dir, "--output_dir", (EMBEDDINGS, CONFIG))
-    check(pipe, request, args.encoder_path, args.random_encoders)
-    with one_writer(args.output_dir):
-        tensors, metadata, config = encode(pipe, request, args.encoder_path, args.encoder_device)
-        outputs = write_stage(args.output_dir, tensors, EMBEDDINGS, metadata, config)
+def run(args: argparse.Namespace) -> dict:
+    return encode_stage(request_of(args))
+
+
+def encode_stage(r: Stage1Request) -> dict:
+    """The whole stage; returns the report."""
+    pipe, inputs = pipeline_of(r.model), r.inputs
+    request = encoder_request(inputs, r.prompt, height=r.height, width=r.width,
+                              frames=r.video_length, clips=r.num_clips)
+    check_writable(r.output_dir, "--output_dir", (EMBEDDINGS, CONFIG))
+    check(pipe, request, inputs.encoder_path, inputs.random_encoders)
+    with one_writer(r.output_dir):
+        tensors, metadata, config = encode(pipe, request, inputs.encoder_path,
+                                           inputs.encoder_device)
+        outputs = write_stage(r.output_dir, tensors, EMBEDDINGS, metadata, config)
     return {"model": pipe.name, "prompt": request.prompt, "outputs": outputs,
             "tensors": {k: list(v.shape) for k, v in tensors.items()},
-            "random_encoders": random_encoders_used(pipe, args)}
+            "random_encoders": random_encoders_used(pipe, inputs.encoder_path)}
 
 
-def random_encoders_used(pipe, args) -> bool:
+def random_encoders_used(pipe, encoder_path: str | None) -> bool:
     """A real model encoded by tiny random encoders (--random_encoders): the summary says so."""
-    return pipe.builtin is None and pipe.encoders is None and args.encoder_path is None
+    return pipe.builtin is None and pipe.encoders is None and encoder_path is None
 
 
 RANDOM_NOTE = ("encoders: TINY RANDOM (--random_encoders, no --encoder_path): the embeddings, and "

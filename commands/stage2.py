@@ -50,7 +50,7 @@ from .stage2_backend import (
     torch_parallel,
 )
 from .stage2_report import build_report, compare_report, compile_counts, format_summary, speedup_remarks
-from .stage2_resolve import check_prompt_used, resolve
+from .stage2_resolve import Stage2Request, check_prompt_used, request_of, resolve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,11 +177,15 @@ class Opened:
     warnings: tuple[str, ...]
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
+    return sample_stage(request_of(args))
+
+
+def sample_stage(request: Stage2Request) -> dict:
     """The whole stage; returns the report printed and written as telemetry. Under torchrun
     every rank samples (the collectives need them all) and only rank 0 writes and prints."""
-    spec = resolve(args)
-    check_prompt_used(args, spec)
+    spec = resolve(request)
+    check_prompt_used(request, spec)
     launch = spec.launch
     if launch.multihost:  # before anything touches JAX (importing the backend does)
         from tpu.distributed import initialize

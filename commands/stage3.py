@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -38,7 +40,7 @@ from modules.vae import (
     spec_for,
     to_vae_latents,
 )
-from sampling.cli import CommandParser, add_compile_cache_flag, as_int, as_number, command
+from sampling.cli import CommandParser, add_compile_cache_flag, as_int, as_number, command, typed
 from sampling.clips import clip_decodes
 from sampling.errors import StageFileError, UsageError
 from sampling.one_writer import one_writer
@@ -55,6 +57,7 @@ from sampling.stage_io import (
 from vae_parallel.grid import PatchGridError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_DTYPE = "fp32"
 # what an H.264 mp4 plays: ffmpeg refuses frame rates it cannot write as a 1/90000 time base,
 # and no player shows more than a few hundred frames a second
 MIN_FPS, MAX_FPS = 0.1, 1000.0
@@ -78,8 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fps", type=float, help="frames per second (default: the config's "
                         "`fps`, else 16 for Wan2.2 I2V-A14B and 24 for the others)")
     g = parser.add_argument_group("advanced")
-    g.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="VAE weights and "
-                        "compute (default fp32)")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default=DEFAULT_DTYPE,
+                   help=f"VAE weights and compute (default {DEFAULT_DTYPE})")
     g.add_argument("--backend", choices=("jax", "torch"),
                    help="jax: the decoder as two compiled programs (tpu/vae.py) on JAX's "
                         "devices, the frame's rows split over as many as divide them; torch: "
@@ -102,15 +105,92 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@dataclass(frozen=True, kw_only=True)
+class Stage3Request:
+    """Stage 3's command line, typed (None: not given)."""
+
+    input_dir: str
+    output_dir: str | None
+    model: str | None
+    vae_path: str | None
+    fps: float | None
+    dtype: str
+    backend: str | None
+    device: str | None
+    compile_cache_dir: str | None
+    patch_parallel: bool
+    grid: str | None
+    tiled: bool
+    tile_size: int | None
+
+
+def request_of(args: argparse.Namespace) -> Stage3Request:
+    """The command line's request: the one place stage 3 reads its Namespace."""
+    return typed(Stage3Request, args)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decode:
+    """One decode, resolved and checked before any VAE work: the latents and what to make of
+    them, and the request it came from."""
+
+    request: Stage3Request
+    pipe: object  # sampling.pipelines.Pipeline
+    latents: torch.Tensor
+    config: dict  # the stage-2 config, which the video's config continues
+    size: tuple[int, int, int]  # frames, height, width of the video
+    fps: float
+    output_dir: str
+    dtype: torch.dtype
+    grid: object  # vae_parallel's PatchGrid, or None
+    backend: str
+    clips: list | None  # speech-to-video: each clip's decode
+    compile_cache_dir: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeReport:
+    """What one decode did (rank 0 also wrote the video: `outputs`, `video`, `enlarged`); on JAX
+    its compile counts."""
+
+    model: str
+    vae: str
+    latent_shape: list
+    clips: int | None
+    ranks: int
+    grid: list | None
+    tiled: bool
+    device: str
+    dtype: str
+    decode_seconds: float
+    fps: float
+    rank: int
+    outputs: dict | None = None
+    video: list | None = None
+    enlarged: int | None = None
+    loop_compiles: int | None = None
+    prepare_compiles: int | None = None  # 0 for a decoder kept from a decode before
+    # as stage 2's `compiles`: prepare, loop, process (everything this process compiled so far,
+    # whose `compiled`, not served by the persistent cache, a second run keeps at 0)
+    compiles: dict | None = None
+
+    def as_dict(self) -> dict:
+        """The summary's form: the fields a decode did not fill left out."""
+        optional = ("outputs", "video", "enlarged", "loop_compiles", "prepare_compiles",
+                    "compiles")
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not (k in optional and v is None)}
+
+
 def default_fps(pipe) -> float:
     """The official sample_fps: Wan2.2 I2V-A14B and S2V 16, TI2V-5B 24 (model_spec 2.5, 2.6);
     24 for HunyuanVideo-1.5 (`Pipeline.fps`)."""
     return pipe.fps
 
 
-def _pipeline_name(args, config, metadata) -> str:
-    if args.model:
-        return args.model
+def _pipeline_name(request: Stage3Request, config, metadata) -> str:
+    if request.model:
+        return request.model
     for source in (config, metadata):
         if "model" in source:
             return str(source["model"])
@@ -132,14 +212,14 @@ def _grid_shape(text):
     return rows, cols
 
 
-def resolve(args) -> dict:
+def resolve(request: Stage3Request) -> Decode:
     """Everything the decode needs, checked, before any VAE work."""
-    if not os.path.isdir(args.input_dir):
-        raise StageFileError(f"--input_dir {args.input_dir} is not a directory; expected the "
+    if not os.path.isdir(request.input_dir):
+        raise StageFileError(f"--input_dir {request.input_dir} is not a directory; expected the "
                              f"stage-2 folder holding {LATENTS}")
-    tensors, metadata, config = read_stage2_tensors(args.input_dir)
+    tensors, metadata, config = read_stage2_tensors(request.input_dir)
     latents = tensors["latents"]
-    name = _pipeline_name(args, config, metadata)
+    name = _pipeline_name(request, config, metadata)
     if name not in PIPELINES:
         raise UsageError(f"unknown model {name!r}; expected one of {', '.join(PIPELINES)}")
     pipe = get_pipeline(name)
@@ -155,53 +235,54 @@ def resolve(args) -> dict:
                              "least one latent frame, row and column")
     # as stage 2 refuses such stage-1 tensors: a video of NaN or of integers is no video
     check_tensors({"latents": latents}, {"latents": TensorSpec((None,) * 5, FLOAT_DTYPES)},
-                  os.path.join(args.input_dir, LATENTS))
+                  os.path.join(request.input_dir, LATENTS))
     st, ss = pipe.vae_stride
     height, width = latents.shape[3] * ss, latents.shape[4] * ss
     clips = None
     if pipe.task == "s2v":
-        clips = _s2v_clips(pipe, tensors, metadata, os.path.join(args.input_dir, LATENTS))
+        clips = _s2v_clips(pipe, tensors, metadata, os.path.join(request.input_dir, LATENTS))
         # the config's video_length is one clip's
         frames, clip_frames = sum(c.keep for c in clips), latents.shape[2] // len(clips) * st
     else:
         frames = clip_frames = (latents.shape[2] - 1) * st + 1
-    source = os.path.join(args.input_dir, CONFIG)
+    source = os.path.join(request.input_dir, CONFIG)
     for key, value in (("video_length", clip_frames), ("height", height), ("width", width)):
         if config.get(key) is not None and as_int(f"{source}: {key}", config[key]) != value:
             raise StageFileError(f"{LATENTS}: latents {list(latents.shape)} decode to {key} "
                                  f"{value}" + (" per clip" if clips and key == "video_length" else "")
                                  + f"; generation_config.json says {config[key]}")
-    if args.tiled and args.patch_parallel:
+    if request.tiled and request.patch_parallel:
         raise UsageError("--tiled and --patch_parallel are alternatives (tiles inside patches "
                          "would not match the single-device decode); pick one")
     world = as_int("WORLD_SIZE (set by torchrun)", os.environ.get("WORLD_SIZE", "1"), minimum=1)
-    if world > 1 and not args.patch_parallel:
+    if world > 1 and not request.patch_parallel:
         raise UsageError(f"launched on {world} ranks without --patch_parallel; add it, or run one "
                          "process")
     grid = None
-    if args.patch_parallel and world > 1:  # checked here, on every rank alike, before any VAE work
+    if request.patch_parallel and world > 1:  # checked here, on every rank alike, before any VAE work
         from vae_parallel import plan_grid
-        grid = plan_grid(world, latents.shape[3], latents.shape[4], _grid_shape(args.grid))
-    elif args.grid is not None:
+        grid = plan_grid(world, latents.shape[3], latents.shape[4], _grid_shape(request.grid))
+    elif request.grid is not None:
         raise UsageError("--grid needs --patch_parallel under torchrun (WORLD_SIZE > 1)")
-    if args.tile_size is not None and not args.tiled:
+    if request.tile_size is not None and not request.tiled:
         raise UsageError("--tile_size needs --tiled")
-    backend = _backend(args, world)
+    backend = _backend(request, world)
     compile_cache_dir = None
     if backend == "jax":  # as stage 2's
         from tpu.compile import check_cache_dir
-        compile_cache_dir = check_cache_dir(args.compile_cache_dir)
-    if args.fps is not None:
-        fps = as_number("--fps", args.fps, minimum=MIN_FPS, maximum=MAX_FPS)
+        compile_cache_dir = check_cache_dir(request.compile_cache_dir)
+    if request.fps is not None:
+        fps = as_number("--fps", request.fps, minimum=MIN_FPS, maximum=MAX_FPS)
     elif config.get("fps") is not None:
         fps = as_number(f"{source}: fps", config["fps"], minimum=MIN_FPS, maximum=MAX_FPS)
     else:
         fps = default_fps(pipe)
-    output_dir = args.output_dir if args.output_dir is not None else args.input_dir
+    output_dir = request.output_dir if request.output_dir is not None else request.input_dir
     check_writable(output_dir, "--output_dir", (VIDEO, CONFIG))
-    return dict(pipe=pipe, latents=latents, config=config, size=(frames, height, width), fps=fps,
-                output_dir=output_dir, dtype=DTYPES[args.dtype], grid=grid, backend=backend,
-                clips=clips, compile_cache_dir=compile_cache_dir)
+    return Decode(request=request, pipe=pipe, latents=latents, config=config,
+                  size=(frames, height, width), fps=fps, output_dir=output_dir,
+                  dtype=DTYPES[request.dtype], grid=grid, backend=backend, clips=clips,
+                  compile_cache_dir=compile_cache_dir)
 
 
 def _s2v_clips(pipe, tensors, metadata, source):
@@ -234,15 +315,15 @@ def _s2v_clips(pipe, tensors, metadata, source):
 _TORCH_ONLY = ("device", "patch_parallel", "tiled", "tile_size")
 
 
-def _backend(args, world: int) -> str:
+def _backend(request: Stage3Request, world: int) -> str:
     """The --backend asked for, or the default: torch where a torch-only flag or a torchrun
     world asks for it, else jax (as stage 2)."""
-    torch_flags = [f"--{f}" for f in _TORCH_ONLY if getattr(args, f) not in (None, False)]
-    if args.backend == "jax" and (torch_flags or world > 1):
+    torch_flags = [f"--{f}" for f in _TORCH_ONLY if getattr(request, f) not in (None, False)]
+    if request.backend == "jax" and (torch_flags or world > 1):
         raise UsageError(f"{', '.join(torch_flags) or 'torchrun'} belong(s) to --backend torch; "
                          "the JAX backend splits the frame over JAX's own devices")
-    if args.backend is not None:
-        return args.backend
+    if request.backend is not None:
+        return request.backend
     return "torch" if torch_flags or world > 1 else "jax"
 
 
@@ -326,40 +407,45 @@ def clip_videos(decode_one, vae, clips, dtype=torch.float32, device=None):
         yield None if video is None else video[:, :, video.shape[2] - clip.keep:]
 
 
-def decode_frames(decode_one, vae, r, device=None):
+def decode_frames(decode_one, vae, r: Decode, device=None):
     """uint8 frames [F, H, W, 3] of the resolved latents (None off rank 0): one decode, or one
     per speech-to-video clip, the clips' frames one after another. Each clip becomes uint8 as
     soon as it is decoded, so only one clip's float video is held at a time."""
-    if r["clips"] is None:
-        videos = [decode_one(to_vae_latents(vae, r["latents"].to(device=device, dtype=r["dtype"])))]
+    if r.clips is None:
+        videos = [decode_one(to_vae_latents(vae, r.latents.to(device=device, dtype=r.dtype)))]
     else:
-        videos = clip_videos(decode_one, vae, r["clips"], r["dtype"], device)
+        videos = clip_videos(decode_one, vae, r.clips, r.dtype, device)
     parts = [None if v is None else to_frames(v) for v in videos]
     if parts[0] is None:
         return None
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
+    return decode_stage(request_of(args)).as_dict()
+
+
+def decode_stage(request: Stage3Request) -> DecodeReport:
     """The whole stage; returns the report (rank 0 writes the files)."""
-    r = resolve(args)
-    if r["backend"] == "jax":
-        with one_writer(r["output_dir"]):
-            return decode_jax(args, r)
-    parallel = r["grid"] is not None
-    device = device_for(args.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel else None)
+    r = resolve(request)
+    if r.backend == "jax":
+        with one_writer(r.output_dir):
+            return decode_jax(r)
+    parallel = r.grid is not None
+    device = device_for(request.device, int(os.environ.get("LOCAL_RANK", "0")) if parallel
+                        else None)
     rank, world = _distributed(device) if parallel else (0, 1)
     try:
         # rank 0 writes the video: the other ranks of a patch-parallel decode hold nothing
-        with one_writer(r["output_dir"]) if rank == 0 else contextlib.nullcontext():
-            return decode_torch(args, r, rank, world, device)
+        with one_writer(r.output_dir) if rank == 0 else contextlib.nullcontext():
+            return decode_torch(r, rank, world, device)
     finally:
         if world > 1:
             import torch.distributed as dist
             dist.destroy_process_group()
 
 
-def decode_jax(args, r, built=None, also=None, decoders=None):
+def decode_jax(r: Decode, built=None, also=None, decoders=None) -> DecodeReport:
     """The decode on JAX (tpu/vae.py, imported here: the torch path never loads torchax);
     `built` and `also` as for `_run`; `decoders`: a dict in which the decoder (its weights on the
     devices, its compiled programs) is kept for the next decode of the job, by device count."""
@@ -369,12 +455,12 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
 
     # as stage 2, and before tpu.vae is imported (importing torchax compiles): the next run
     # finds every program in the persistent cache
-    enable_compile_cache(r["compile_cache_dir"])
+    enable_compile_cache(r.compile_cache_dir)
     from tpu.vae import JaxVaeDecoder
     from tpu.vae_plan import make_mesh, mesh_size
 
-    pipe, latents = r["pipe"], r["latents"]
-    vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
+    pipe, latents = r.pipe, r.latents
+    vae, vae_name = built if built is not None else build_vae(pipe, r.request.vae_path, r.dtype)
     # this process's own devices: on a multi-host slice process 0 decodes alone (the
     # prompt-to-video command), so a mesh with another host's devices would wait for it forever
     devices = mesh_size(latents.shape[3], latents.shape[4], len(jax.local_devices()))
@@ -382,7 +468,7 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
     if devices not in decoders:
         decoders[devices] = JaxVaeDecoder(vae, make_mesh(devices) if devices > 1 else None)
     decoder = decoders[devices]
-    shapes = {tuple(c.latents.shape) for c in r["clips"]} if r["clips"] else {tuple(latents.shape)}
+    shapes = {tuple(c.latents.shape) for c in r.clips} if r.clips else {tuple(latents.shape)}
     began, cold = time.perf_counter(), decoder.compile_counts()
     for shape in sorted(shapes):  # every program compiles here, none in the decode loop
         decoder.prepare(shape)
@@ -398,63 +484,60 @@ def decode_jax(args, r, built=None, also=None, decoders=None):
         # ffmpeg starts by fork + exec, which runs no JAX code in the child: JAX's warning about
         # forking its threads does not apply
         warnings.filterwarnings("ignore", r"os\.fork\(\) was called", RuntimeWarning)
-        report = _write(args, r, frames, seconds, vae_name, 0, devices,
+        report = _write(r, frames, seconds, vae_name, 0, devices,
                         f"jax {d.platform}:{d.device_kind} x{devices}", also,
                         extra=dict(vae_backend="jax",
                                    stage3_compile_time=round(compiled - began, 3)))
-    report["loop_compiles"] = loop.lowered
-    report["prepare_compiles"] = (before - cold).lowered  # 0 for a decoder kept from a decode before
-    # as stage 2's `compiles`; `process`: everything this process compiled so far, whose
-    # `compiled` (not served by the persistent cache) a second run keeps at 0
-    report["compiles"] = {"prepare": (before - cold).to_dict(), "loop": loop.to_dict(),
-                          "process": after.to_dict()}
-    return report
+    return dataclasses.replace(
+        report, loop_compiles=loop.lowered, prepare_compiles=(before - cold).lowered,
+        compiles={"prepare": (before - cold).to_dict(), "loop": loop.to_dict(),
+                  "process": after.to_dict()})
 
 
-def decode_torch(args, r, rank, world, device, built=None, also=None):
+def decode_torch(r: Decode, rank, world, device, built=None, also=None) -> DecodeReport:
     """Decode and write one resolved run; `built`: a (vae, name) of `build_vae` already on
     `device`, shared by the runs of a job (the prompt-to-video command); `also`: a Staged of
     files to commit with the video."""
-    pipe = r["pipe"]
-    vae, vae_name = built if built is not None else build_vae(pipe, args.vae_path, r["dtype"])
+    request = r.request
+    vae, vae_name = built if built is not None else build_vae(r.pipe, request.vae_path, r.dtype)
     vae = vae.to(device)
     began = time.perf_counter()
-    frames = decode_frames(lambda z: decode(vae, z, r["grid"], args.tiled, args.tile_size), vae,
-                           r, device)
+    frames = decode_frames(lambda z: decode(vae, z, r.grid, request.tiled, request.tile_size),
+                           vae, r, device)
     seconds = time.perf_counter() - began
-    return _write(args, r, frames, seconds, vae_name, rank, world, device, also)
+    return _write(r, frames, seconds, vae_name, rank, world, device, also)
 
 
-def _write(args, r, frames, seconds, vae_name, rank, world, device, also=None, extra=None):
+def _write(r: Decode, frames, seconds, vae_name, rank, world, device, also=None,
+           extra=None) -> DecodeReport:
     """The report, and on rank 0 the video of uint8 `frames` and the config (plus the fields of
     `extra`) of one decode."""
-    pipe, grid = r["pipe"], r["grid"]
-    report = {"model": pipe.name, "vae": vae_name, "latent_shape": list(r["latents"].shape),
-              "clips": len(r["clips"]) if r["clips"] else None,
-              "ranks": world, "grid": list(grid.shape) if grid else None, "tiled": args.tiled,
-              "device": str(device), "dtype": args.dtype, "decode_seconds": seconds,
-              "fps": r["fps"], "rank": rank}
+    pipe, grid, request = r.pipe, r.grid, r.request
+    report = DecodeReport(model=pipe.name, vae=vae_name, latent_shape=list(r.latents.shape),
+                          clips=len(r.clips) if r.clips else None, ranks=world,
+                          grid=list(grid.shape) if grid else None, tiled=request.tiled,
+                          device=str(device), dtype=request.dtype, decode_seconds=seconds,
+                          fps=r.fps, rank=rank)
     if rank != 0:
         return report
-    expected = r["size"]
+    expected = r.size
     if tuple(frames.shape[:3]) != expected:
         raise VaeError(f"the VAE decoded {list(frames.shape[:3])} (frames, height, width); the "
                        f"latents call for {list(expected)}"
-                       + ("; choose another --tile_size" if args.tiled else ""))
+                       + ("; choose another --tile_size" if request.tiled else ""))
     factor = pipe.enlarge
     frames = enlarge(frames, factor)
-    config = dict(r["config"])
-    fields = dict(output_video=os.path.join(r["output_dir"], VIDEO),
-                  stage3_decode_time=round(seconds, 3), vae=vae_name, vae_dtype=args.dtype,
+    config = dict(r.config)
+    fields = dict(output_video=os.path.join(r.output_dir, VIDEO),
+                  stage3_decode_time=round(seconds, 3), vae=vae_name, vae_dtype=request.dtype,
                   video_frames=expected[0], video_height=frames.shape[1],
                   video_width=frames.shape[2], video_enlarged=factor,
                   vae_patch_parallel_ranks=world,
-                  vae_patch_grid=report["grid"], vae_tiled=args.tiled, **(extra or {}))
-    config.update(fps=r["fps"], **fields)
-    report["outputs"] = write_video(r["output_dir"], frames, r["fps"], config, also=also)
-    report["video"] = list(frames.shape[:3])
-    report["enlarged"] = factor
-    return report
+                  vae_patch_grid=report.grid, vae_tiled=request.tiled, **(extra or {}))
+    config.update(fps=r.fps, **fields)
+    outputs = write_video(r.output_dir, frames, r.fps, config, also=also)
+    return dataclasses.replace(report, outputs=outputs, video=list(frames.shape[:3]),
+                               enlarged=factor)
 
 
 def format_summary(report: dict) -> str:

@@ -11,20 +11,19 @@ from cache import CMConfig
 from cache.config import CFG_MODES, OFFLOAD, PAIR_REDUCE, TECHNIQUES
 from cache.deepcache import DeepCacheConfig
 from cache.fbcache import METRICS, FBCacheConfig
-from cache.flags import APPENDED, CACHE_TYPES, CacheFlags
+from cache.flags import CACHE_TYPES, CacheFlags
 from cache.magcache import MagCacheConfig
 from cache.preset import PRESETS
 from cache.teacache import LINEAR_THRESHOLD, TeaCacheConfig
 from cache.teacache_profiles import PROFILES, SIGNALS
 
+from .cli import typed
+
 
 def cache_flags(args: argparse.Namespace) -> CacheFlags:
     """The cache flags of a parsed command line (every parser that took add_cache_arguments);
     appended aliases as tuples."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(CacheFlags)}
-    for name in APPENDED:
-        values[name] = tuple(values[name]) if values[name] is not None else None
-    return CacheFlags(**values)
+    return typed(CacheFlags, args)
 
 
 def _default(cls, name):

@@ -5,6 +5,7 @@ that speaks for the run. Plus the checks of numeric flags the commands share."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import re
 import shutil
 import sys
 import time
+import typing
 from typing import Callable
 
 from sampling.errors import StageFileError, UsageError
@@ -246,6 +248,45 @@ def _one_line(action: argparse.Action, width: int) -> str:
         text = f"{text} (default {default})" if text else f"(default {default})"
     row = f"  {flags:<30} {text}" if len(flags) <= 30 else f"  {flags} {text}"
     return row if len(row) <= width else row[: width - 1] + "…"
+
+
+# --- the typed request --------------------------------------------------------------------------
+
+# flags `command` reads itself (help, verbosity, the summary file); no request carries them
+SHELL = ("help_all", "quiet", "verbose", "summary_json")
+
+
+def typed(cls, args: argparse.Namespace):
+    """The frozen dataclass `cls` (a command's request) from a parsed command line: each field
+    from the flag of its name, a field whose type is a dataclass from the same flags, a list of
+    appended values as a tuple. This is the one step from a Namespace to a request; a field with
+    no flag of its name fails here on every run, and each command's test holds its request's
+    fields to its parser's flags (`leaves`), so a renamed flag fails in a test."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        if dataclasses.is_dataclass(kind):
+            values[field.name] = typed(kind, args)
+            continue
+        value = getattr(args, field.name)
+        values[field.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+def leaves(request) -> dict:
+    """{flag's dest: value} of a request `typed` built (nested requests flattened), or of its
+    class (values None): what the command line gave, for identities and the tests."""
+    out = {}
+    hints = typing.get_type_hints(request if isinstance(request, type) else type(request))
+    for field in dataclasses.fields(request):
+        kind = hints[field.name]
+        value = None if isinstance(request, type) else getattr(request, field.name)
+        if dataclasses.is_dataclass(kind):
+            out.update(leaves(kind if value is None else value))
+        else:
+            out[field.name] = value
+    return out
 
 
 # --- numeric flags -------------------------------------------------------------------------------

@@ -99,11 +99,6 @@ class RunSpec:
         return self.guidance if self.guidance is not None else self.pipe.guidance
 
 
-def from_flags(cls, args):
-    """An instance of the dataclass `cls` from the flags of the same names (the CLI boundary)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
 # --- resolution steps that stage 2, tpu.aot and calibration share ------------------------------
 
 def pick(flag: str, value, stage1: dict, key: str, default, source: str | None):

@@ -226,7 +226,7 @@ def test_a_speech_to_video_estimate_is_its_recorded_steps_and_within_noise_or_ex
     args = stage2.build_parser().parse_args([
         "--teacache", "--num_inference_steps", "8", "--output_dir", str(tmp_path / "out"),
         "--compile_cache_dir", "none", "--no_progress"])
-    spec = stage2.resolve(args, (tensors, {"model": pipe.name}))
+    spec = stage2.resolve(stage2.request_of(args), (tensors, {"model": pipe.name}))
     backend, opened = stage2.open_backend(spec)
     report, _ = stage2.sample_and_write(spec, backend, True, opened)
     t, s = report["time"], report["speedup"]

@@ -54,10 +54,10 @@ def test_main_command_samples_with_deepcache_and_writes_the_stage_files(tmp_path
 
 
 def _latents(argv, given=None):
-    args = stage2.build_parser().parse_args([*argv, "--num_inference_steps", "6", "--no_progress",
-                                             "--compile_cache_dir", "none"])
-    spec = stage2.resolve(args, given)
-    stage2.check_prompt_used(args, spec)
+    request = stage2.request_of(stage2.build_parser().parse_args(
+        [*argv, "--num_inference_steps", "6", "--no_progress", "--compile_cache_dir", "none"]))
+    spec = stage2.resolve(request, given)
+    stage2.check_prompt_used(request, spec)
     backend, opened = stage2.open_backend(spec)
     return stage2.sample_and_write(spec, backend, True, opened)[0], spec
 
@@ -68,9 +68,9 @@ def test_without_inputs_stage2_samples_its_prompt_as_stage1_would_encode_it(tmp_
     a random-weight model is one --model away, on synthetic inputs."""
     report, r = _latents(["--output_dir", str(tmp_path / "a")])
     assert report["model"] == DEFAULT_PIPELINE and report["prompt"] == DEFAULT_PROMPT
-    s1 = stage1.build_parser().parse_args(["--prompt", DEFAULT_PROMPT])
-    tensors, _, config = stage1.encode(stage1.pipeline_of(s1), stage1.request_of(s1, DEFAULT_PROMPT),
-                                       None, "cpu")
+    s1 = stage1.request_of(stage1.build_parser().parse_args(["--prompt", DEFAULT_PROMPT]))
+    tensors, _, config = stage1.encode(stage1.pipeline_of(s1.model),
+                                       stage1.encoder_request(s1.inputs, DEFAULT_PROMPT), None, "cpu")
     staged, _ = _latents(["--output_dir", str(tmp_path / "b")], (tensors, config))
     a, b = (read_stage2(str(tmp_path / d))[0] for d in "ab")
     assert torch.equal(a, b) and not staged["synthetic_inputs"]
