@@ -4,7 +4,7 @@ bench/results/tpu_aot.md.
     pip install "jax[tpu]==0.10.2"       # libtpu: the compiler (in requirements-dev.txt)
     python bench/tpu_aot.py [--only ROW[,ROW...]] [--rerun] [--decode_only] [--page_only]
 
-Each row is one `python -m tpu.aot` run (one at a time: a real-size compile takes minutes and a
+Each row is one `python -m commands.aot` run (one at a time: a real-size compile takes minutes and a
 few GB), its report kept as JSON under bench/results/tpu_aot/ and reused unless --rerun, so the
 table can be rebuilt or extended without compiling again (--page_only: from the reports alone).
 Per row: whether the whole run fits the chip's HBM and the memory per chip, compile seconds on
@@ -247,7 +247,7 @@ def compile_paragraph() -> list[str]:
     """The page's paragraph on compile seconds and the scan, its figures from the reports."""
     text = ("Compile s: the whole run's programs, the middle program's in brackets. `a -> b`: a with "
             "the middle stage's blocks unrolled (the reports kept under `tpu_aot/unrolled/`; `python "
-            "-m tpu.aot ... --unrolled` compiles that way), b with each run of repeating blocks as one "
+            "-m commands.aot ... --unrolled` compiles that way), b with each run of repeating blocks as one "
             "`jax.lax.scan` (tpu/scan.py, the default; a run repeats one block, or a period of "
             "blocks: Wan S2V's audio injections every 4th and then every 3rd block make two runs of "
             "periods 4 and 3). Costs of a loop count its body once per "
@@ -289,7 +289,7 @@ def placement_lines() -> list[str]:
     if not rows:
         return []
     lines = ["## Where the collectives run", ""]
-    text = ("`python -m tpu.aot` records, for a mesh of several chips, every collective's groups of "
+    text = ("`python -m commands.aot` records, for a mesh of several chips, every collective's groups of "
             "partition ids (tpu/hlo.py `collective_ops`, each replica-group form expanded) on the chips "
             "that hold those partitions (tpu/placement.py): the ICI hops of each step around a group's "
             "ring (its members in the order the HLO lists them, the last step back to the first; a "
@@ -353,7 +353,7 @@ def header() -> list[str]:
     return [
         "# Real-size pipelines compiled for Cloud TPU slices (deviceless)",
         "",
-        "`python bench/tpu_aot.py` (each row: `python -m tpu.aot <row arguments> --enable_cache`;",
+        "`python bench/tpu_aot.py` (each row: `python -m commands.aot <row arguments> --enable_cache`;",
         "reports and the full per-program printout under `bench/results/tpu_aot/`).",
         *wrap(setup),
         "",

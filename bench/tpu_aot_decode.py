@@ -119,7 +119,7 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
     lines = [
         "## Stage 3: the VAE decode on the same slices",
         "",
-        "`python bench/tpu_aot.py` (each row: `python -m tpu.vae_aot <row arguments>`). The",
+        "`python bench/tpu_aot.py` (each row: `python -m commands.vae_aot <row arguments>`). The",
         "pipeline's released VAE built on the meta device, its decode traced by `tpu.vae` as stage 3",
         "runs it on JAX (a first call for latent frame 0, a steady one for each further latent",
         "frame with the causal caches carried, each call a chain of block programs that blocks",
@@ -142,7 +142,7 @@ def decode_lines(compiles: Callable[[str], bool], rerun: bool) -> list[str]:
     ]
     missing = []
     for name, row_args, stage2_name in DECODE_ROWS:
-        report = load_or_run(name, row_args, compiles(name), rerun, "tpu.vae_aot")
+        report = load_or_run(name, row_args, compiles(name), rerun, "commands.vae_aot")
         if report is None:
             missing.append(name)
             continue
@@ -180,7 +180,7 @@ def decode_figures() -> list[str]:
                "ici": "its collectives"}[bound_of(st["traffic"])]
         out.append(
             f"The {r['model']} {r['dtype']} decode on {r['topology']}, per steady call per chip "
-            f"(`python -m tpu.vae_aot --model {r['model']} --topology {r['topology']} --hlo_dir D`, "
+            f"(`python -m commands.vae_aot --model {r['model']} --topology {r['topology']} --hlo_dir D`, "
             f"then `python -m tpu.hbm D/steady.txt`): {st['bytes_accessed'] / 1e9:.1f} GB accessed, "
             f"{st['hbm_bytes'] / 1e9:.1f} GB of HBM traffic; {1e3 * st['roofline']:.1f} ms a call by "
             f"bytes accessed, {1e3 * st['traffic']['roofline']:.1f} ms by traffic, where {why} bound "

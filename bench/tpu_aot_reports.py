@@ -1,4 +1,4 @@
-"""What bench/tpu_aot.py's page is printed from: the `python -m tpu.aot` reports kept under
+"""What bench/tpu_aot.py's page is printed from: the `python -m commands.aot` reports kept under
 bench/results/tpu_aot/, one compile run a row (reused unless rerun), and the cell helpers the
 stage-2 and the decode tables share."""
 
@@ -42,7 +42,7 @@ def version(package: str) -> str:
 
 
 def read_report(name: str, folder: Path = OUT) -> dict | None:
-    """A `tpu.aot` / `tpu.vae_aot` report this bench kept, None if there is none."""
+    """A `commands.aot` / `commands.vae_aot` report this bench kept, None if there is none."""
     path = folder / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
@@ -52,14 +52,14 @@ def wrap(text: str) -> list[str]:
     return textwrap.wrap(text, 92, break_on_hyphens=False, break_long_words=False)
 
 
-def run_row(name: str, args: str, rerun: bool, module: str = "tpu.aot") -> dict:
+def run_row(name: str, args: str, rerun: bool, module: str = "commands.aot") -> dict:
     """One row's report: `python -m <module> <args> --json`, reused unless `rerun`."""
     path = OUT / f"{name}.json"
     if path.exists() and not rerun:
         return json.loads(path.read_text())
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     began, load_start = time.perf_counter(), os.getloadavg()[0]
-    extra = CACHE.split() if module == "tpu.aot" else []
+    extra = CACHE.split() if module == "commands.aot" else []
     out = subprocess.run([sys.executable, "-m", module, *args.split(), *extra, "--json", str(path)],
                          cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -82,7 +82,7 @@ def per_device(chip: dict) -> str:
 
 
 def load_or_run(name: str, row_args: str, compile_it: bool, rerun: bool,
-                 module: str = "tpu.aot") -> dict | None:
+                 module: str = "commands.aot") -> dict | None:
     """The row's report: compiled where asked (an existing one reused unless `rerun`), else the
     report on disk, None if there is none."""
     return run_row(name, row_args, rerun, module) if compile_it else read_report(name)

@@ -12,7 +12,7 @@ published figures for the same pipeline and slice class. Every figure carries it
 
   measured   timed (on what is said: this machine, or the anchor's slice as it published)
   roofline   from the compiled program's flops, bytes and collectives at the chip's peaks
-             (`python -m tpu.aot` / `tpu.vae_aot` reports): a floor real steps run above
+             (`python -m commands.aot` / `commands.vae_aot` reports): a floor real steps run above
   estimate   arithmetic on other figures, its basis stated
 
 Stage 1 cannot run at real size here (no weights; umT5-XXL alone is 11 GB): its work is counted

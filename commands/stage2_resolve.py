@@ -25,7 +25,8 @@ from sampling.budget_profile import load as budget_load
 from sampling.calibration import profile_files
 from sampling.cli import as_int, as_number, typed
 from sampling.errors import StageFileError, UsageError
-from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, MAX_GUIDANCE, PIPELINES, get_pipeline
+from sampling.guidance import parse_guidance
+from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, PIPELINES, get_pipeline
 from sampling.run_spec import (
     DEFAULT_SEED,
     DTYPES,
@@ -122,25 +123,6 @@ class Stage2Request:
 def request_of(args: argparse.Namespace) -> Stage2Request:
     """The command line's request: the one place stage 2 reads its Namespace."""
     return typed(Stage2Request, args)
-
-
-def _guidance(text, pipe, label: str = "--guidance_scale"):
-    """None (the pipeline's), one scale, or (low, high) for the two experts of Wan2.2 I2V-A14B;
-    each a finite number >= 0."""
-    if text is None:
-        return None
-    if isinstance(text, list | tuple):  # a (low, high) pair read back from a config file
-        text = ",".join(str(v) for v in text)
-    want = f"a number in [0, {MAX_GUIDANCE:g}]" + (" or 'low,high'" if pipe.moe else "")
-    try:
-        values = tuple(float(v) for v in str(text).split(","))
-    except ValueError:
-        raise UsageError(f"{label} {text!r}: expected {want}") from None
-    if len(values) not in ((1, 2) if pipe.moe else (1,)):
-        raise UsageError(f"{label} {text!r}: expected {want}")
-    for v in values:
-        as_number(label, v, minimum=0.0, maximum=MAX_GUIDANCE, expected=want)
-    return values if len(values) == 2 else values[0]
 
 
 def _pipeline_name(r: Stage2Request, stage1: dict) -> str:
@@ -323,7 +305,7 @@ def resolve(r: Stage2Request, given: tuple[dict, dict] | None = None) -> RunSpec
                          "clip")
     value, label = pick("--guidance_scale", r.guidance_scale, stage1, "guidance_scale", None,
                         source)
-    guidance = _guidance(value, pipe, label)
+    guidance = parse_guidance(value, pipe, label)
     value, label = pick("--seed", r.seed, stage1, "seed", DEFAULT_SEED, source)
     seed = as_int(label, value, minimum=-2 ** 63, maximum=2 ** 64 - 1)
     size, latent_shape = size_of(pipe, (r.height, r.width, r.video_length), stage1,

@@ -60,7 +60,8 @@ def quiet_cpu_default() -> None:
     if "JAX_PLATFORMS" in os.environ or "JAX_FORCE_TPU_INIT" in os.environ or "jax" in sys.modules:
         return
     if libtpu_noise_here():
-        # tpu.aot still compiles for TPUs: it loads libtpu itself, through jax.experimental.topologies
+        # the deviceless compiles still compile for TPUs: tpu.topology loads libtpu itself,
+        # through jax.experimental.topologies
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -2,7 +2,7 @@
 flags before any model or device work, and the resolution steps they share.
 
 `commands.stage2_resolve.resolve` builds a `RunSpec` from stage 2's flags (generate through it,
-prompt by prompt); the deviceless compile (`python -m tpu.aot`) and calibration resolve the parts
+prompt by prompt); the deviceless compile (`python -m commands.aot`) and calibration resolve the parts
 they share with it through the functions below, so a refusal reads the same whichever command
 gives it, and each bound is stated once.
 """

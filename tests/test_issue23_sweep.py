@@ -1,7 +1,7 @@
 """Issue 23's sweep of bad inputs, as a table: each case exits 2 with one line naming what was
 wrong and what was expected, writes nothing and leaves the inputs as they were; none exits 0 with
 a wrong result. (Tampered checkpoints: test_checkpoint_strict.py; tampered profiles:
-test_profile_validation.py; platforms, devices and tpu.aot: test_platform_refusals.py; kill -9:
+test_profile_validation.py; platforms, devices and commands.aot: test_platform_refusals.py; kill -9:
 test_kill_points.py.)"""
 
 from __future__ import annotations

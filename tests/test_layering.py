@@ -181,6 +181,22 @@ def test_imports_run_downward(room):
     assert not wrong, "upward imports:\n" + "\n".join(wrong)
 
 
+# rooms that never see a command line: a command turns its flags into a typed request, and the
+# argparse Namespace stops at its run() (sampling/ holds the flag parsers the commands share,
+# adapters/ takes our cache flags as keywords)
+NO_ARGPARSE = ("compat", "cache", "modules", "sharding", "vae_parallel", "encoders", "tpu",
+               "torch_backend")
+
+
+@pytest.mark.parametrize("room", NO_ARGPARSE)
+def test_no_command_line_below_the_commands(room):
+    wrong = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in modules_of(room)
+             for node in ast.walk(ast.parse(p.read_text(), str(p)))
+             if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names)
+             or isinstance(node, ast.ImportFrom) and node.module == "argparse"]
+    assert not wrong, "argparse imported below the commands:\n" + "\n".join(wrong)
+
+
 def test_nothing_outside_scripts_tests_and_bench_imports_commands():
     wrong = [f"{p.relative_to(ROOT)}:{line}" for room in ROOMS if room != "commands"
              for p in modules_of(room) for other, line in imported_rooms(p, room).items()

@@ -112,7 +112,7 @@ def test_ring_order_leaves_holes_and_repeats_alone():
 
 
 def test_libtpu_compile_only_devices_give_rings():
-    """The devices a deviceless compile (python -m tpu.aot) builds its mesh from."""
+    """The devices a deviceless compile (python -m commands.aot) builds its mesh from."""
     from tpu.topology import topology_devices
 
     _, v5e = topology_devices("v5e:4x4")

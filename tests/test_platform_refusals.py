@@ -1,6 +1,6 @@
 """A platform, device, attention lowering or TPU slice this host or Cloud TPU does not have is
 refused up front in one line, exit 2, nothing written (issue 23 items 8, 9, 10): `python -m
-tpu.aot` sizes, shift, guidance, --json folder and slice shapes (before libtpu is loaded, so
+commands.aot` sizes, shift, guidance, --json folder and slice shapes (before libtpu is loaded, so
 long before any compile); stage 2 with JAX_PLATFORMS naming a missing platform, --device naming
 a missing torch device, --attention splash off a TPU; and no libtpu noise on a CPU host.
 
@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import stage2_transformer_flax_deepcache as stage2
+from commands import aot as aot_command
 from sampling import platforms
 from tpu import aot
+from tpu.topology import parse_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE2 = ROOT / "stage2_transformer_flax_deepcache.py"
@@ -35,7 +37,7 @@ def one_line(err: str) -> str:
 
 @pytest.fixture
 def no_work(monkeypatch, tmp_path):
-    """Run in an empty folder; reaching libtpu (aot) or a model (stage 2) fails the test."""
+    """Run in an empty folder; reaching libtpu (tpu.aot) or a model (stage 2) fails the test."""
     monkeypatch.chdir(tmp_path)
 
     def reached(*args, **kwargs):
@@ -46,7 +48,7 @@ def no_work(monkeypatch, tmp_path):
     return tmp_path
 
 
-# --- python -m tpu.aot ----------------------------------------------------------------------
+# --- python -m commands.aot -----------------------------------------------------------------
 
 AOT = [
     (["--height", "65"], "--height 65: expected a positive multiple of 32"),
@@ -85,11 +87,11 @@ AOT = [
 def test_aot_refuses_before_loading_libtpu(no_work, capfd, argv, message):
     capfd.readouterr()
     base = ["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1"]
-    assert aot.main([*base, *argv]) == 2
+    assert aot_command.main([*base, *argv]) == 2
     out, err = capfd.readouterr()
     assert out == ""
     assert message in one_line(err)
-    assert err.startswith("python -m tpu.aot: error: ")
+    assert err.startswith("python -m commands.aot: error: ")
     assert listing(no_work) == []
 
 
@@ -109,11 +111,11 @@ def test_aot_refuses_before_loading_libtpu(no_work, capfd, argv, message):
 def test_every_documented_slice_shape_is_taken(name, generation, dims):
     """Each shape Cloud TPU documents parses to its generation's chip and its chips per axis,
     in the order given (a 2D slice's third axis 1)."""
-    chip, parsed = aot.parse_topology(name)
+    chip, parsed = parse_topology(name)
     assert (chip.name, parsed) == (generation, dims)
 
 
-# --- refusals stage 2 and tpu.aot share (one resolution: sampling/run_spec.py) ---------------
+# --- refusals stage 2 and commands.aot share (one resolution: sampling/run_spec.py) ----------
 
 SHARED = [
     ["--cfg_parallel", "--cfg_mode", "separate"],
@@ -127,6 +129,9 @@ SHARED = [
     ["--num_inference_steps", "0"],
     ["--num_inference_steps", "1000000000"],
     ["--sample_shift", "-1"],
+    ["--guidance_scale", "abc"],  # one reading of the guidance: sampling/guidance.py
+    ["--guidance_scale", "5,4,3"],
+    ["--guidance_scale", "5,200"],
 ]
 
 
@@ -140,15 +145,42 @@ def _refusal(main, argv, capsys) -> str:
 
 @pytest.mark.parametrize("model", ["wan-tiny-ti2v", "wan-tiny-i2v"])
 @pytest.mark.parametrize("flags", SHARED, ids=[" ".join(f) for f in SHARED])
-def test_stage2_and_tpu_aot_refuse_the_same_flags_word_for_word(no_work, capsys, model, flags):
+def test_stage2_and_the_compile_refuse_the_same_flags_word_for_word(no_work, capsys, model, flags):
     said = _refusal(stage2.main, ["--model", model, "--compile_cache_dir", "none", *flags], capsys)
-    assert _refusal(aot.main, ["--model", model, "--topology", "v6e:1x1", *flags], capsys) == said
+    assert _refusal(aot_command.main, ["--model", model, "--topology", "v6e:1x1", *flags],
+                    capsys) == said
     assert listing(no_work) == []
 
 
+def test_a_guidance_pair_is_taken_as_stage_2_takes_it(no_work, monkeypatch, capsys):
+    """Wan2.2 I2V-A14B's 'low,high' guidance, one scale per expert: the compile's request holds
+    the pair stage 2 resolves from the same flag, and the compile takes it through every check
+    (up to libtpu); a one-expert pipeline refuses it alike in both."""
+    flags = ["--model", "wan-tiny-i2v", "--guidance_scale", "5,4"]
+    request = aot_command.request_of(aot_command.build_parser().parse_args(
+        [*flags, "--topology", "v6e:1x1"]))
+    assert request.guidance_scale == (5.0, 4.0)
+    with pytest.raises(AssertionError, match="reached past the checks"):
+        aot.compile_run(request)
+
+    class Resolved(Exception):
+        pass
+
+    def resolved(spec, layout=None):
+        raise Resolved(spec.guidance)
+    monkeypatch.setattr("commands.stage2.open_backend", resolved)
+    with pytest.raises(Resolved) as stage2_resolved:
+        stage2.main([*flags, "--compile_cache_dir", "none", "--output_dir", str(no_work / "o")])
+    assert stage2_resolved.value.args[0] == request.guidance_scale
+    one = ["--model", "wan-tiny-ti2v", "--guidance_scale", "5,4"]
+    said = _refusal(stage2.main, [*one, "--compile_cache_dir", "none"], capsys)
+    assert said == "--guidance_scale '5,4': expected a number in [0, 100]"
+    assert _refusal(aot_command.main, [*one, "--topology", "v6e:1x1"], capsys) == said
+
+
 def test_the_token_bound_is_stated_once_with_its_figures(no_work, capsys):
-    said = _refusal(aot.main, ["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--height",
-                               "100000", "--width", "100000"], capsys)
+    said = _refusal(aot_command.main, ["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1",
+                                       "--height", "100000", "--width", "100000"], capsys)
     assert said == ("--height 100000, --width 100000, --video_length (default) 9: 29,296,875 "
                     "tokens per model call (2.6 GiB for one hidden state of the wan-tiny-ti2v "
                     "model); expected at most 1,048,576 (9x HunyuanVideo-1.5 720p)")

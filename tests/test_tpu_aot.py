@@ -1,8 +1,9 @@
 """Deviceless compiles for a real TPU target (libtpu's compile-only devices of a v6e:2x2 slice):
 the tiny models' stage programs with the splash kernel lowered by Mosaic (not interpreted), on one
 chip and on a sequence-parallel mesh, with replicated and FSDP weights; the memory plan and the
-collective accounting; the command's errors."""
+collective accounting; the command (`python -m commands.aot`), its request and its errors."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,8 @@ import torch
 
 import tpu.hlo
 from cache import CacheManager, CMConfig, DeepCacheConfig, TeaCacheConfig
+from cache.flags import CacheFlags
+from commands import aot as aot_command
 from modules.checkpoint import cast_model
 from modules.registry import build_model
 from sampling.loop import denoise
@@ -24,6 +27,7 @@ from sampling.stages import SignalPlan
 from sharding.jax_sp import make_mesh
 from tpu import aot_backend
 from tpu import placement as tpu_placement
+from tpu.aot import AotRequest
 from tpu.topology import CHIPS, AotError, topology_devices, wraparound
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -349,8 +353,37 @@ def test_run_plan_counts_what_the_run_holds(slice_v6e):
 
 def _cli(*args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "tpu.aot", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "commands.aot", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def test_the_request_has_one_field_per_flag():
+    """`request_of` is the one step from the command line to the library: each field of the
+    request is the flag of its name (the cache flags grouped under `cache`), so a flag renamed
+    or added without its field fails here."""
+    parser = aot_command.build_parser()
+    dests = set(vars(parser.parse_args(["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1"])))
+    fields = {f.name for f in dataclasses.fields(AotRequest)}
+    assert "cache" in fields
+    assert (fields - {"cache"}) | {f.name for f in dataclasses.fields(CacheFlags)} == dests
+    request = aot_command.request_of(parser.parse_args(
+        ["--model", "wan-tiny-ti2v", "--topology", "v6e:2x2", "--sp_size", "4", "--teacache",
+         "--cache_warmup", "2", "--guidance_scale", "4.5", "--height", "64"]))
+    assert (request.sp_size, request.height, request.guidance_scale) == (4, 64, 4.5)
+    assert request.cache.teacache and request.cache.cache_warmup == (2,)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.sp_size = 2
+
+
+@pytest.mark.parametrize("old, new", [("tpu.aot", "commands.aot"),
+                                      ("tpu.vae_aot", "commands.vae_aot")])
+def test_the_old_module_names_the_command(old, new):
+    out = subprocess.run([sys.executable, "-m", old, "--model", "wan-tiny-ti2v"], cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines()[-1] == \
+        f"python -m {old} is now python -m {new} (the same flags)"
 
 
 def test_command_prints_the_plan_and_refuses_bad_topologies(tmp_path):

@@ -1,7 +1,8 @@
 """Stage 3's decode compiled for a real TPU target without one (libtpu's compile-only devices):
-the tiny TI2V VAE through `python -m tpu.vae_aot`, its plan, and the command's refusals. (The
+the tiny TI2V VAE through `python -m commands.vae_aot`, its plan, and the command's refusals. (The
 decode it compiles is the one tests/test_stage3_jax.py checks against diffusers.)"""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from commands import vae_aot as vae_aot_command
 from sampling.pipelines import get_pipeline
 from tpu import vae_aot
 from tpu.hbm import hbm_traffic
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _cli(*args):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "tpu.vae_aot", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "commands.vae_aot", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -83,8 +85,20 @@ def test_command_refuses_bad_input_before_any_compile(capsys):
         (("--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--frames_per_call", "0"),
          "--frames_per_call"),
     ]:
-        assert vae_aot.main(list(args)) == 2, args
+        assert vae_aot_command.main(list(args)) == 2, args
         assert message in capsys.readouterr().err, args
+
+
+def test_the_request_has_one_field_per_flag():
+    """`request_of` is the one step from the command line to the library: each field of the
+    request is the flag of its name, so a flag renamed or added without its field fails here;
+    the sizes, given as text, come as integers."""
+    parser = vae_aot_command.build_parser()
+    args = parser.parse_args(["--model", "wan-tiny-ti2v", "--topology", "v6e:1x1", "--height", "64",
+                              "--frames_per_call", "2"])
+    assert {f.name for f in dataclasses.fields(vae_aot.VaeAotRequest)} == set(vars(args))
+    request = vae_aot_command.request_of(args)
+    assert (request.height, request.width, request.frames_per_call) == (64, None, 2)
 
 
 def test_an_abstract_decoder_holds_the_decoder_weights_alone_and_refuses_to_decode():

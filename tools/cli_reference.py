@@ -20,8 +20,8 @@ COMMANDS: dict[str, str] = {
     "python stage3_vae_decode.py": "commands.stage3",
     "python calibrate.py": "commands.calibrate",
     "python -m commands.calibrate": "commands.calibrate",
-    "python -m tpu.aot": "tpu.aot",
-    "python -m tpu.vae_aot": "tpu.vae_aot",
+    "python -m commands.aot": "commands.aot",
+    "python -m commands.vae_aot": "commands.vae_aot",
 }
 
 # a script or module a user may name -> the key of COMMANDS it means
@@ -32,8 +32,8 @@ ALIASES: dict[str, str] = {
     "stage3_vae_decode.py": "python stage3_vae_decode.py",
     "calibrate.py": "python calibrate.py",
     "commands.calibrate": "python -m commands.calibrate",
-    "tpu.aot": "python -m tpu.aot",
-    "tpu.vae_aot": "python -m tpu.vae_aot",
+    "commands.aot": "python -m commands.aot",
+    "commands.vae_aot": "python -m commands.vae_aot",
 }
 
 

@@ -37,7 +37,7 @@ _LANES = 128  # splash blocks must be multiples of the TPU lane count
 # Largest blocks per TPU generation (jax device_kind), where the stock ones do not fit: inside
 # Wan2.2 TI2V-5B's real-size middle program the stock kernel asks 17.5 MiB (v5e, sp 8) and
 # 21.6 MiB (v5p, sp 4) of scoped VMEM, over the 16 MiB both give a kernel (libtpu E1001
-# CompileTimeScopedVmemOom, found with `python -m tpu.aot --model wan2.2-ti2v-5b --topology
+# CompileTimeScopedVmemOom, found with `python -m commands.aot --model wan2.2-ti2v-5b --topology
 # v5e:2x4 --sp_size 8`); half-height query blocks fit. v6e compiles the stock sizes at every
 # size in bench/results/tpu_aot.md.
 BLOCKS_BY_KIND = {"TPU v5 lite": (1024, BLOCK_KV, BLOCK_KV_COMPUTE),

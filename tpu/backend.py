@@ -255,7 +255,7 @@ class JaxBackend:
 
     def _call(self, name: str, program, *args):
         """Run one jitted program (a stage or a helper): the one place the loop's device work
-        starts, so an ahead-of-time backend (`tpu.aot`) can compile instead of run."""
+        starts, so an ahead-of-time backend (`tpu.aot_backend`) can compile instead of run."""
         progress.tick(name)  # the warm-up's bar, if one is shown (a None check otherwise)
         return program(*args)
 

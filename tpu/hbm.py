@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     paths = sys.argv[1:] if argv is None else argv
     if len(paths) != 1:
         print("usage: python -m tpu.hbm PROGRAM.txt (a compiled program's as_text(); "
-              "tpu.vae_aot --hlo_dir writes them)", file=sys.stderr)
+              "python -m commands.vae_aot --hlo_dir writes them)", file=sys.stderr)
         return 2
     try:
         text = open(paths[0]).read()

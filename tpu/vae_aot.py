@@ -1,6 +1,7 @@
-"""Stage 3 compiled for a Cloud TPU slice on a machine without one: the real-size VAE decode.
-
-    JAX_PLATFORMS=cpu python -m tpu.vae_aot --model wan2.2-ti2v-5b --topology v6e:2x4
+"""Stage 3 compiled for a Cloud TPU slice on a machine without one: the real-size VAE decode. The
+library of the command `python -m commands.vae_aot` (`commands/vae_aot.py`: its flags, the
+`VaeAotRequest` they give, its printed summary): `compile_decode(request)` checks a request and
+compiles it into the report.
 
 The pipeline's VAE is built on the meta device at its released size (no weights read), its
 decode traced by `tpu.vae.JaxVaeDecoder` exactly as stage 3 runs it (the first and the steady
@@ -13,7 +14,7 @@ the first program once and the steady one for every further latent frame.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +25,7 @@ import torch
 from modules.vae import VAES, spec_for
 from sampling.cli import as_int
 from sampling.journal import atomic_write
-from sampling.pipelines import PIPELINES, SizeError, get_pipeline
+from sampling.pipelines import SizeError, get_pipeline
 from sampling.stage_io import check_writable_file
 
 from .program import ChainProgram, chain_record, chip_bytes, record
@@ -32,6 +33,24 @@ from .topology import AotError, parse_topology, topology_devices
 from .vae_chain import Chain
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VaeAotRequest:
+    """One deviceless compile of a decode, as the command's flags give it
+    (`commands.vae_aot.request_of`, the one place they are read): a field per flag, named as its
+    dest. Checked by `compile_decode` before libtpu is loaded."""
+
+    model: str  # the pipeline whose VAE decodes (sampling.pipelines.PIPELINES)
+    topology: str  # a TPU slice, e.g. v6e:2x4
+    dtype: str  # a key of DTYPES
+    height: int | None  # None: the pipeline's
+    width: int | None
+    video_length: int | None
+    frames_per_call: int | None  # None: auto (tpu.vae_wan.WAN_FRAMES_PER_CALL)
+    tiny: bool  # stage 3's tiny random-weight VAE instead of the released size
+    json: str | None  # write the report here
+    hlo_dir: str | None  # write each program's optimized HLO text here
 
 
 def meta_vae(pipe, dtype, tiny: bool = False):
@@ -47,16 +66,18 @@ def meta_vae(pipe, dtype, tiny: bool = False):
     return spec, vae.to(dtype)
 
 
-def run(args) -> dict:
-    chip, dims = parse_topology(args.topology)
-    pipe = get_pipeline(args.model)
+def compile_decode(request: VaeAotRequest) -> dict:
+    """The report of one deviceless compile of the pipeline's decode (what `commands.vae_aot`
+    prints and writes)."""
+    chip, dims = parse_topology(request.topology)
+    pipe = get_pipeline(request.model)
     size = []
     for flag, default in zip(("height", "width", "video_length"), pipe.size, strict=True):
-        value = getattr(args, flag)
+        value = getattr(request, flag)
         size.append(default if value is None else as_int(f"--{flag}", value, minimum=1,
                                                           expected="a positive integer"))
-    per_call = "auto" if args.frames_per_call is None else as_int(
-        "--frames_per_call", args.frames_per_call, minimum=1, expected="a positive integer")
+    per_call = "auto" if request.frames_per_call is None else as_int(
+        "--frames_per_call", request.frames_per_call, minimum=1, expected="a positive integer")
     try:
         latent_shape = pipe.latent_shape(*size)
     except SizeError as exc:
@@ -64,16 +85,16 @@ def run(args) -> dict:
     if pipe.task == "s2v":  # decoded clip by clip: one clip's latents with nothing in front
         raise AotError(f"{pipe.name} decodes clip by clip, each with its motion history in "
                        "front: compile the Wan2.1 VAE's decode of wan2.2-i2v-a14b instead")
-    check_writable_file("--json", args.json)
-    if args.hlo_dir:
+    check_writable_file("--json", request.json)
+    if request.hlo_dir:
         try:
-            os.makedirs(args.hlo_dir, exist_ok=True)
+            os.makedirs(request.hlo_dir, exist_ok=True)
         except OSError as exc:
-            raise AotError(f"--hlo_dir {args.hlo_dir}: {exc.strerror}; expected a folder this "
+            raise AotError(f"--hlo_dir {request.hlo_dir}: {exc.strerror}; expected a folder this "
                            "process can create or write") from None
-    dtype = DTYPES[args.dtype]
-    spec, vae = meta_vae(pipe, dtype, args.tiny)
-    chip, devices = topology_devices(args.topology)
+    dtype = DTYPES[request.dtype]
+    spec, vae = meta_vae(pipe, dtype, request.tiny)
+    chip, devices = topology_devices(request.topology)
 
     from jax.sharding import Mesh
 
@@ -99,8 +120,8 @@ def run(args) -> dict:
             args_bytes = program.memory_analysis().argument_size_in_bytes
             programs[name] = record(name, program, seconds, weight_bytes=weights,
                                     activation_bytes=max(args_bytes - weights, 0))
-        if args.hlo_dir:  # for `python -m tpu.hbm`: where the program's HBM traffic goes
-            with open(os.path.join(args.hlo_dir, f"{name}.txt"), "w") as f:
+        if request.hlo_dir:  # for `python -m tpu.hbm`: where the program's HBM traffic goes
+            with open(os.path.join(request.hlo_dir, f"{name}.txt"), "w") as f:
                 f.write(program.as_text())
     steady_p = programs.get("steady")
     k = decoder.per_call
@@ -118,15 +139,15 @@ def run(args) -> dict:
     peak = max(p.in_flight() for p in programs.values()) + chunk
     total = weights + peak
     report = {
-        "model": pipe.name, "vae": spec.name + (" (tiny)" if args.tiny else ""),
-        "topology": args.topology,
+        "model": pipe.name, "vae": spec.name + (" (tiny)" if request.tiny else ""),
+        "topology": request.topology,
         "chip": {k: getattr(chip, k) for k in ("name", "hbm_bytes", "bf16_flops", "hbm_bandwidth",
                                                 "ici_bandwidth", "devices_per_chip")},
         "devices": rows, "split": "rows" if split == ROWS else "columns", "chips": len(devices),
         "strips": [decoder.strips.rows, decoder.strips.cols] if decoder.strips else [1, 1],
         "frames_per_call": k,
-        "dtype": args.dtype,
-        "conv_operands": {t: n for n, t in DTYPES.items()}.get(decoder.operands, args.dtype),
+        "dtype": request.dtype,
+        "conv_operands": {t: n for n, t in DTYPES.items()}.get(decoder.operands, request.dtype),
         "size": size,
         "latent_shape": list(latent_shape), "video_shape": list(video),
         "programs": {n: {**(p.report() if isinstance(p, ChainProgram) else p.__dict__),
@@ -139,9 +160,9 @@ def run(args) -> dict:
         "compile_seconds": seconds,
         **_chain_compiles(compiled.values()),
     }
-    if args.json:
+    if request.json:
         # whole or not at all, and no fixed temporary name two runs would share
-        atomic_write(args.json, lambda f: json.dump(report, f, indent=1, default=str))
+        atomic_write(request.json, lambda f: json.dump(report, f, indent=1, default=str))
     return report
 
 
@@ -178,67 +199,7 @@ def units_label(r: dict) -> str:
     return "chips" if n == 1 else f"devices ({n} a chip)"
 
 
-def format_summary(r: dict) -> str:
-    gib = 2**30
-    m = r["memory"]
-    lines = [f"{r['model']} decode ({r['vae']}, {dtype_label(r)}) on {r['topology']}: latents "
-             f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
-             f"{r['devices']} of {r['chips']} {units_label(r)}{strips_label(r)}",
-             f"  {'program':8s} {'calls':>5s} {'args GiB':>8s} {'temp GiB':>8s} {'out GiB':>8s} "
-             f"{'TFLOP':>7s} {'GB acc.':>8s} {'GB HBM':>7s} {'roofline ms':>11s} "
-             f"{'(traffic)':>9s}  collectives"]
-    for n, p in r["programs"].items():
-        coll = ", ".join(f"{k} {v['count']}" for k, v in p["collectives"].items()) or "none"
-        lines.append(f"  {n:8s} {p['calls']:5d} {p['argument_bytes'] / gib:8.2f} "
-                     f"{p['temp_bytes'] / gib:8.2f} {p['output_bytes'] / gib:8.2f} "
-                     f"{p['flops'] / 1e12:7.2f} {p['bytes_accessed'] / 1e9:8.2f} "
-                     f"{p['hbm_bytes'] / 1e9:7.2f} {1e3 * p['roofline']:11.2f} "
-                     f"{1e3 * p['traffic']['roofline']:9.2f}  {coll}")
-    lines.append(f"  per chip: {m['total'] / gib:.2f} GiB of {m['hbm'] / gib:.2f} "
-                 f"({'fits' if m['fits'] else 'DOES NOT FIT'}; weights {m['weights'] / gib:.2f}, "
-                 f"in flight {m['in_flight'] / gib:.2f}); {r['tflop']:.1f} TFLOP; roofline "
-                 f"{r['roofline_seconds']:.2f} s ({r['roofline_seconds_traffic']:.2f} s with HBM "
-                 f"traffic); compiled in {r['compile_seconds']:.0f} s{_compiles_label(r)}")
-    return "\n".join(lines)
-
-
-def _compiles_label(r: dict) -> str:
-    if "programs_compiled" not in r:
-        return ""
-    return (f" ({r['programs_compiled']} programs, a compile per core pair, the longest "
-            f"{r['program_compile_seconds']:.0f} s)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tpu.vae_aot", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, choices=sorted(PIPELINES),
-                   help="the pipeline whose VAE decodes (its released architecture)")
-    p.add_argument("--topology", required=True, help="TPU slice, e.g. v6e:2x4 (v6e-8)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
-                   help="VAE weights and compute (stage 3's --dtype)")
-    p.add_argument("--height", default=None, help="video height (default: the pipeline's)")
-    p.add_argument("--width", default=None, help="video width (default: the pipeline's)")
-    p.add_argument("--video_length", default=None, help="frames (default: the pipeline's)")
-    p.add_argument("--frames_per_call", default=None, help="latent frames a steady call decodes "
-                   "(Wan; default: tpu.vae_wan.WAN_FRAMES_PER_CALL)")
-    p.add_argument("--tiny", action="store_true", help="the tiny VAE of stage 3's random-weight "
-                   "decode instead of the released size (a quick check of the compile path)")
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--hlo_dir", default=None, help="write each program's optimized HLO text "
-                   "here (first.txt, steady.txt; `python -m tpu.hbm` reads them)")
-    return p
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        report = run(args)
-    except (AotError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(format_summary(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the command moved; an old habit gets told where
+    print("python -m tpu.vae_aot is now python -m commands.vae_aot (the same flags)",
+          file=sys.stderr)
+    sys.exit(2)
