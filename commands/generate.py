@@ -414,14 +414,13 @@ def _job(settings: Settings, pipe, jobs: list[Job], decode_request: Stage3Reques
                 report, job.uncached = stage2.sample_and_write(spec, backend, writer, opened)
                 # the per-call trace stays in the prompt's own telemetry: a batch of thousands
                 # keeps each prompt's figures only
-                job.report = {k: v for k, v in report.items() if k not in _PER_CALL}
-                t, c = report["time"], report["compiles"]
-                computed = sum(v["computed"] for v in report["branches"].values())
-                calls = computed + sum(v["reused"] for v in report["branches"].values())
-                say(f"{at} stage 2 {t['stage_seconds']:.2f} s  computed {computed}/{calls} "
-                    f"calls, {speedup_text(report)}, compiles warm-up {_lowered(c['warmup'])} "
-                    f"loop {_lowered(c['loop'])}")
-                for warning in report.get("warnings", ()):  # slower than uncached, and the like
+                job.report = {k: v for k, v in report.as_dict().items() if k not in _PER_CALL}
+                computed, calls = report.calls
+                say(f"{at} stage 2 {report.time['stage_seconds']:.2f} s  computed "
+                    f"{computed}/{calls} calls, {speedup_text(job.report)}, compiles warm-up "
+                    f"{_lowered(report.compiles['warmup'])} loop "
+                    f"{_lowered(report.compiles['loop'])}")
+                for warning in report.warnings:  # slower than uncached, and the like
                     say(f"{at} warning: {warning}")
             if job.state != DONE and writer:
                 say(f"{at} stage 3 decoding into {job.folder} ...")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from .stage2_backend import (
     open_models,
     torch_parallel,
 )
-from .stage2_report import build_report, compare_report, compile_counts, format_summary, speedup_remarks
+from .stage2_report import Stage2Report, build_report, compare_report, compile_counts, format_summary
 from .stage2_resolve import Stage2Request, check_prompt_used, request_of, resolve
 
 
@@ -178,10 +179,10 @@ class Opened:
 
 
 def run(args: argparse.Namespace) -> dict:
-    return sample_stage(request_of(args))
+    return sample_stage(request_of(args)).as_dict()
 
 
-def sample_stage(request: Stage2Request) -> dict:
+def sample_stage(request: Stage2Request) -> Stage2Report:
     """The whole stage; returns the report printed and written as telemetry. Under torchrun
     every rank samples (the collectives need them all) and only rank 0 writes and prints."""
     spec = resolve(request)
@@ -241,7 +242,7 @@ def _load(spec: RunSpec, plan, layout) -> tuple[object, Opened]:
 
 
 def sample_and_write(spec: RunSpec, backend, writer: bool,
-                     opened: Opened | None = None) -> tuple[dict, torch.Tensor | None]:
+                     opened: Opened | None = None) -> tuple[Stage2Report, torch.Tensor | None]:
     """One resolved run on an open backend: sample (and the uncached comparison), check, report
     (with `opened`, what opening the backend found), write (the writer only). Returns the report
     and, with --compare, the uncached latents (for a caller that decodes both)."""
@@ -262,23 +263,21 @@ def sample_and_write(spec: RunSpec, backend, writer: bool,
         if bar is not None:
             bar.close()
     _check_finite(latents, spec)
-    report = build_report(spec, traj, backend, time.perf_counter() - began,
-                          opened.warnings if opened is not None else ())
-    reference = None
+    seconds = time.perf_counter() - began
+    reference = compare = None
     if outputs.compare:
         # caching off, same CFG pairing (a fused sample is called as one pair)
         reference, base, _ = _sample(backend, CMConfig(cfg_mode=config.cfg_mode), spec, sample,
                                      warmup_rounds=0)
-        report["compare"] = compare_report(traj, base, latents, reference, noise)
-    report["warnings"] += speedup_remarks(report)
-    # everything this process compiled so far (loading, warm-up, loop, --compare), whose
-    # `compiled` (not served by the persistent cache) a second run keeps at 0
-    report["compiles"]["process"] = compile_counts(backend.compile_counts())
-    if opened is not None and opened.load is not None:
-        report["load"] = opened.load
-    report["writer"] = writer
+        compare = compare_report(traj, base, latents, reference, noise)
+    report = build_report(
+        spec, traj, backend, seconds, warnings=opened.warnings if opened is not None else (),
+        compare=compare, load=opened.load if opened is not None else None, writer=writer,
+        # everything this process compiled so far (loading, warm-up, loop, --compare), whose
+        # `compiled` (not served by the persistent cache) a second run keeps at 0
+        process=compile_counts(backend.compile_counts()))
     if writer:
-        _write(spec, latents, report)
+        report = dataclasses.replace(report, outputs=_write(spec, latents, report))
     return report, reference
 
 
@@ -331,7 +330,8 @@ def _cache_metadata(config: CMConfig) -> dict:
     return out
 
 
-def _write(spec: RunSpec, latents, report: dict) -> None:
+def _write(spec: RunSpec, latents, report: Stage2Report) -> dict:
+    """The stage files and the report files, committed together; returns the stage files."""
     pipe, size, outputs = spec.pipe, spec.size, spec.outputs
     # a config from a decoded folder: its stage-3 fields describe a video of other latents
     config = {k: v for k, v in spec.stage1.items() if k not in STAGE3_FIELDS}
@@ -339,15 +339,15 @@ def _write(spec: RunSpec, latents, report: dict) -> None:
     clips = decode_metadata(pipe, spec.latent_shape, spec.clips,
                             "motion_latents" in spec.tensors) if spec.clips else {}
     config.update(model=pipe.name, height=size[0], width=size[1], video_length=size[2],
-                  num_inference_steps=spec.steps, guidance_scale=report["guidance"], seed=spec.seed,
+                  num_inference_steps=spec.steps, guidance_scale=report.guidance, seed=spec.seed,
                   sample_solver=spec.solver, sample_shift=spec.shift,
-                  stage2_elapsed_time=round(report["time"]["stage_seconds"], 3),
+                  stage2_elapsed_time=round(report.time["stage_seconds"], 3),
                   synthetic_inputs=spec.synthetic, sp_size=spec.launch.sp_size,
                   **clips, cfg_parallel=spec.launch.cfg_parallel,
                   **_cache_metadata(spec.config))
     meta = {k: config[k] for k in ("height", "width", "video_length", "num_inference_steps",
                                    "guidance_scale", "seed", "model", *clips) if k in config}
-    meta.update(elapsed_time=report["time"]["stage_seconds"], device=report["device"],
+    meta.update(elapsed_time=report.time["stage_seconds"], device=report.device,
                 **_cache_metadata(spec.config))
     out = latents.to(spec.dtype) if spec.dtype == torch.bfloat16 else latents
     cfg = spec.config
@@ -355,10 +355,10 @@ def _write(spec: RunSpec, latents, report: dict) -> None:
     tech = cfg.teacache or cfg.fbcache
     reports = (
         ("--telemetry_json", outputs.telemetry_json, "w",
-         lambda f: json.dump(report, f, indent=1, default=str)),
-        ("--telemetry_csv", outputs.telemetry_csv, "w", lambda f: trace_csv(f, report["trace"])),
+         lambda f: json.dump(report.as_dict(), f, indent=1, default=str)),
+        ("--telemetry_csv", outputs.telemetry_csv, "w", lambda f: trace_csv(f, report.trace)),
         ("--plot_png", outputs.plot_png, "wb", lambda f: plot_traces(
-            {title: report["trace"]}, f, {title: tech.threshold if tech is not None else None})),
+            {title: report.trace}, f, {title: tech.threshold if tech is not None else None})),
     )
     # reports are prepared first and committed with the stage files (one journal): all of the
     # run's outputs or none of them, even under kill -9
@@ -369,9 +369,9 @@ def _write(spec: RunSpec, latents, report: dict) -> None:
                 files.add(path, write, mode, flag)
         if outputs.tensorboard_dir is not None:
             files.add_folder(outputs.tensorboard_dir, lambda folder: write_tensorboard(
-                folder, report["trace"], spec.steps), "--tensorboard_dir")
-        report["outputs"] = write_stage2(outputs.output_dir, out, meta, config, also=files,
-                                         extra=decode_inputs(pipe, spec.tensors) if clips else None)
+                folder, report.trace, spec.steps), "--tensorboard_dir")
+        return write_stage2(outputs.output_dir, out, meta, config, also=files,
+                            extra=decode_inputs(pipe, spec.tensors) if clips else None)
     finally:
         files.discard()  # (nothing left to remove once committed)
 

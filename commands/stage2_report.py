@@ -4,7 +4,9 @@ causes of a speedup off its ideal, and the summary printed at the end of the run
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from dataclasses import dataclass
 
 from cache import CMConfig
 from sampling.fidelity import fidelity
@@ -35,43 +37,94 @@ def estimate_speedup(step_seconds, step_computed, loop_seconds) -> float | None:
     return median(full) * len(step_seconds) / loop_seconds
 
 
-def build_report(spec: RunSpec, traj, backend, seconds: float, warnings=()) -> dict:
-    """The run's figures, as printed and written as telemetry; `warnings`: what opening the
-    backend found (profiles' fingerprints)."""
+@dataclass(frozen=True, kw_only=True)
+class Stage2Report:
+    """A run's figures: printed (`format_summary` of `as_dict()`), written as telemetry, and
+    read field by field by the prompt-to-video command. Built once, after the run; `outputs`
+    (the stage files written) is added by the writer."""
+
+    model: str
+    steps: int
+    solver: str
+    shift: float
+    guidance: object  # one scale, a (high, low) pair, or None
+    latent_shape: list
+    tokens: int
+    num_clips: int | None
+    # where the stage-1 inputs came from: this prompt encoded here, synthetic, or given
+    prompt: str | None
+    synthetic_inputs: bool
+    attention: str
+    device: str
+    backend: str
+    cache: dict  # modes, preset, probe/tail blocks, the gate's config
+    branches: dict  # branch -> {computed, reused}
+    experts: dict  # expert -> branch -> {computed, reused}
+    failsafes: dict  # reason -> count (the nonzero ones)
+    # warmup, loop, warmup_seconds; process: everything this process compiled so far, whose
+    # `compiled` (not served by the persistent cache) a second run keeps at 0
+    compiles: dict
+    time: dict  # loop, steps, stage seconds; signal reads
+    speedup: dict  # schedule_ideal, reused_step_share, estimated
+    budget: dict | None
+    clips: list | None  # speech-to-video: computed/reused per clip and branch
+    warnings: list
+    summary: dict
+    histograms: dict
+    trace: list  # per model call: step, branch, expert, action, signals
+    compare: dict | None = None  # --compare: the uncached run against this one
+    load: dict | None = None  # the JAX backend's sharded load
+    writer: bool = True
+    outputs: dict | None = None
+
+    @property
+    def calls(self) -> tuple[int, int]:
+        """(computed, all) model calls of the run, over its branches."""
+        computed = sum(v["computed"] for v in self.branches.values())
+        return computed, computed + sum(v["reused"] for v in self.branches.values())
+
+    def as_dict(self) -> dict:
+        """The report as printed and written (the optional parts a run did not fill left out)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.name in ("compare", "load", "outputs") and getattr(self, f.name) is None)}
+
+
+def build_report(spec: RunSpec, traj, backend, seconds: float, *, warnings=(), compare=None,
+                 process=None, load=None, writer: bool = True) -> Stage2Report:
+    """The run's figures; `warnings`: what opening the backend found (profiles' fingerprints),
+    `compare`: compare_report's, `process`: the process's compile counts, `load`: what opening
+    the backend read. The causes of a speedup off its ideal are added to the warnings."""
     stats, gate, plan = traj.stats, traj.gate, backend.plan
     full = [s for s, c in zip(stats.step_seconds, stats.step_computed, strict=True) if c]
     cached = [s for s, c in zip(stats.step_seconds, stats.step_computed, strict=True) if not c]
     summary = gate.summary()
     blocks = backend.template.num_blocks
-    return {
-        "model": spec.pipe.name, "steps": spec.steps, "solver": spec.solver, "shift": spec.shift,
-        "guidance": spec.shown_guidance,
-        "latent_shape": list(spec.latent_shape), "tokens": spec.tokens,
-        "num_clips": spec.clips,
-        # where the stage-1 inputs came from: this prompt encoded here, synthetic, or given
-        "prompt": spec.prompt, "synthetic_inputs": spec.synthetic,
-        "attention": backend.attention, "device": backend.device_name(),
-        "backend": spec.launch.backend,
-        "cache": {"modes": list(gate.config.modes), "preset": spec.preset,
+    report = Stage2Report(
+        model=spec.pipe.name, steps=spec.steps, solver=spec.solver, shift=spec.shift,
+        guidance=spec.shown_guidance, latent_shape=list(spec.latent_shape), tokens=spec.tokens,
+        num_clips=spec.clips, prompt=spec.prompt, synthetic_inputs=spec.synthetic,
+        attention=backend.attention, device=backend.device_name(), backend=spec.launch.backend,
+        cache={"modes": list(gate.config.modes), "preset": spec.preset,
                   "probe_blocks": plan.fn_blocks,
                   "tail_blocks": plan.bn_blocks, "reuse_tail_blocks": plan.reuse_tail_blocks,
                   "config": gate.config.to_dict()},
-        "branches": {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
-                     for b, s in summary["branches"].items()},
-        "experts": {e: {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
-                        for b, s in br.items()} for e, br in summary.get("experts", {}).items()},
-        "failsafes": {k: v for k, v in summary["failsafes"].items() if v},
-        "compiles": {"warmup": compile_counts(traj.warmup_compiles),
-                     "loop": compile_counts(traj.loop_compiles),
-                     "warmup_seconds": traj.warmup_seconds},
-        "time": {"loop_seconds": stats.wall_seconds, "full_step_seconds": median(full),
+        branches={b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
+                  for b, s in summary["branches"].items()},
+        experts={e: {b: {"computed": s["total"] - s["skipped"], "reused": s["skipped"]}
+                     for b, s in br.items()} for e, br in summary.get("experts", {}).items()},
+        failsafes={k: v for k, v in summary["failsafes"].items() if v},
+        compiles={"warmup": compile_counts(traj.warmup_compiles),
+                  "loop": compile_counts(traj.loop_compiles),
+                  "warmup_seconds": traj.warmup_seconds,
+                  **({"process": process} if process is not None else {})},
+        time={"loop_seconds": stats.wall_seconds, "full_step_seconds": median(full),
                  "cached_step_seconds": median(cached), "full_steps": len(full),
                  "cached_steps": len(cached), "signal_reads": stats.signal_reads,
                  "stage_seconds": seconds,
                  # what the estimate is computed from (every clip's steps, one after another)
                  "step_seconds": list(stats.step_seconds),
                  "step_computed": list(stats.step_computed)},
-        "speedup": {
+        speedup={
             "schedule_ideal": layer_ideal(blocks, len(full), len(cached), plan.fn_blocks,
                                           plan.reuse_tail_blocks),
             # what the ideal counts a reused step as: its blocks (probe, tail, head as one) of
@@ -80,13 +133,12 @@ def build_report(spec: RunSpec, traj, backend, seconds: float, warnings=()) -> d
             "estimated": estimate_speedup(stats.step_seconds, stats.step_computed,
                                           stats.wall_seconds),
         },
-        "budget": spec.budget,
-        "clips": summary.get("clips"),  # speech-to-video: computed/reused per clip and branch
-        "warnings": list(warnings) + profile_warnings(gate.config, summary, gate.telemetry.trace),
-        "summary": summary,
-        "histograms": histograms(gate.telemetry.trace, spec.steps),
-        "trace": gate.telemetry.trace,  # per model call: step, branch, expert, action, signals
-    }
+        budget=spec.budget, clips=summary.get("clips"),
+        warnings=list(warnings) + profile_warnings(gate.config, summary, gate.telemetry.trace),
+        summary=summary, histograms=histograms(gate.telemetry.trace, spec.steps),
+        trace=gate.telemetry.trace, compare=compare, load=load, writer=writer)
+    return dataclasses.replace(report, warnings=report.warnings
+                               + speedup_remarks(report.as_dict()))
 
 
 def compare_report(traj, base, latents, reference, noise) -> dict:

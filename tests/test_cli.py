@@ -59,7 +59,7 @@ def _latents(argv, given=None):
     spec = stage2.resolve(request, given)
     stage2.check_prompt_used(request, spec)
     backend, opened = stage2.open_backend(spec)
-    return stage2.sample_and_write(spec, backend, True, opened)[0], spec
+    return stage2.sample_and_write(spec, backend, True, opened)[0].as_dict(), spec
 
 
 def test_without_inputs_stage2_samples_its_prompt_as_stage1_would_encode_it(tmp_path):
