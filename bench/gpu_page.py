@@ -10,8 +10,7 @@ from pathlib import Path
 
 from bench.page import write_page
 from sampling.journal import atomic_write
-
-GIB = 2**30
+from sampling.units import GiB
 
 
 def write(folder: Path, results: dict | None, plan: dict) -> None:
@@ -107,7 +106,7 @@ def _measured(results: dict) -> list[str]:
                        f"{speedup / r['ideal']:.0%} | {warm} | {r['loop_compiles']} |")
         j = jx.get("sizes", {}).get(label)
         if j:
-            peak = "-" if j["peak_bytes"] is None else f"{j['peak_bytes'] / GIB:.1f} GiB"
+            peak = "-" if j["peak_bytes"] is None else f"{j['peak_bytes'] / GiB:.1f} GiB"
             out.append(f"\nJAX: attention {jx.get('attention')} (cuDNN's fused kernel where it "
                        f"applies: {jx.get('fused_attention_on_gpu')}, on a GPU only); backends "
                        "built (weights drawn on the device, inputs placed) in "
@@ -116,7 +115,7 @@ def _measured(results: dict) -> list[str]:
                        f"{j['warm_compiled']} compiled; peak device memory {peak}.")
         t = th.get("sizes", {}).get(label)
         if t:
-            peaks = ", ".join(f"{k} {v / GIB:.1f}" for k, v in t["peak_bytes"].items() if v)
+            peaks = ", ".join(f"{k} {v / GiB:.1f}" for k, v in t["peak_bytes"].items() if v)
             if peaks:
                 out.append(f"torch peak GiB: {peaks}.")
             if "ours_vs_diffusers_one_call" in t:

@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sampling.units import size_text  # noqa: E402
+
 OUT = ROOT / "bench" / "results" / "load.md"
 SHARD_BYTES = 4 * 2 ** 30
 DEVICES = 8
@@ -66,7 +68,7 @@ def _buffer_bytes(arrays: dict) -> int:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return size_text(n, "GB", 2)
 
 
 # --- the checkpoint --------------------------------------------------------------------------------

@@ -48,13 +48,13 @@ from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, noise_for, sample_once  # noqa: E402
 from sampling.schedulers import make_scheduler  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
+from sampling.units import GiB  # noqa: E402
 from torch_backend.backend import TorchBackend  # noqa: E402
 
 REAL, TINY = "wan2.2-ti2v-5b", "wan-tiny-ti2v"
 REAL_SIZE = (480, 832, 81)  # 480p class: 21 x 15 x 26 = 8190 tokens after VAE 4x16x16, patch 1x2x2
 RUNS = ("none", "deepcache", "teacache", "fbcache", "diffusers")
 DTYPE = torch.bfloat16
-GIB = 2**30
 
 
 @dataclass
@@ -248,7 +248,7 @@ def table(rows: list[Row], steps: int) -> list[str]:
         computed = [s for s, c in zip(r.step_seconds, r.step_computed, strict=True) if c]
         reused = [s for s, c in zip(r.step_seconds, r.step_computed, strict=True) if not c]
         speedup = f"{base / r.wall_seconds:.2f}x" if base else "-"
-        peak = "-" if r.peak_bytes is None else f"{r.peak_bytes / GIB:.1f}"
+        peak = "-" if r.peak_bytes is None else f"{r.peak_bytes / GiB:.1f}"
         lines.append(f"| {r.label} | {len(computed)}/{steps} ({len(computed) / steps:.0%}) | "
                      f"{_ms(computed)} | {_ms(reused)} | {1e3 * r.wall_seconds / steps:.1f} | "
                      f"{r.wall_seconds:.2f} | {speedup} | {peak} |")
@@ -275,7 +275,7 @@ def header(model, setup: dict, args, check: float | None, rows: list[Row]) -> li
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        hw = (f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / GIB:.0f} GiB), "
+        hw = (f"{props.name} (sm_{props.major}{props.minor}, {props.total_memory / GiB:.0f} GiB), "
               f"CUDA {torch.version.cuda}")
     else:
         hw = f"{device_name(device)} CPU ({torch.get_num_threads()} threads)"
@@ -297,7 +297,7 @@ def header(model, setup: dict, args, check: float | None, rows: list[Row]) -> li
         f"- device: {hw}; {versions}",
         f"- model: {pipe.experts[0][1]} architecture ({cfg.num_layers} blocks, dim {cfg.dim}, "
         f"ffn {cfg.ffn_dim}, {cfg.num_heads} heads), random weights (seed {args.seed}), bf16 "
-        f"with fp32 islands: {params / 1e9:.2f} B parameters, {weights / GIB:.2f} GiB",
+        f"with fp32 islands: {params / 1e9:.2f} B parameters, {weights / GiB:.2f} GiB",
         f"- input: {height}x{width}, {frames} frames -> latent {list(shape)} -> token grid "
         f"{'x'.join(map(str, grid))} = {math.prod(grid)} image tokens, {cfg.text_len} text "
         f"tokens (cross-attention keys); batch 1, {mode}",

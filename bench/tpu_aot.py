@@ -28,7 +28,6 @@ from bench.tpu_aot_reports import (  # noqa: E402
     BEFORE,
     COMPILED,
     OUT,
-    GiB,
     load_or_run,
     per_device,
     read_report,
@@ -36,6 +35,7 @@ from bench.tpu_aot_reports import (  # noqa: E402
     wrap,
 )
 from sampling.journal import atomic_write  # noqa: E402
+from sampling.units import GiB  # noqa: E402
 from tpu.attention import BLOCK_Q, BLOCKS_BY_KIND  # noqa: E402
 from tpu.topology import CHIPS  # noqa: E402
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from bench.tpu_aot_reports import ONE_PROGRAM, GiB, load_or_run, per_device, read_report
+from bench.tpu_aot_reports import ONE_PROGRAM, load_or_run, per_device, read_report
+from sampling.units import GiB
 from tpu.vae_aot import dtype_label, strips_label  # (decode cells, as it prints them)
 from tpu.vae_strips import MIN_STRIPS
 

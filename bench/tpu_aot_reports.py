@@ -27,7 +27,6 @@ BEFORE = OUT / "unrolled"  # reports compiled before the middle stage became a s
 ONE_PROGRAM = OUT / "one_program"  # decode reports from before each call became a chain
 
 
-GiB = 2**30
 
 
 COMPILED = "compiled"  # the report's record of when, on how many cores and at what load (run_row)

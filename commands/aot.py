@@ -24,11 +24,13 @@ from sampling.cli import command, typed  # noqa: E402
 from sampling.errors import StageFileError, UsageError  # noqa: E402
 from sampling.guidance import parse_guidance  # noqa: E402
 from sampling.pipelines import PIPELINES, get_pipeline  # noqa: E402
+from sampling.run_spec import DIT_DTYPES  # noqa: E402
 from sampling.schedulers import SOLVERS, SchedulerError  # noqa: E402
+from sampling.units import GiB  # noqa: E402
 from sharding.jax_sp import WEIGHT_SHARDINGS  # noqa: E402
 from tpu.aot import AotRequest, compile_run  # noqa: E402
 from tpu.placement import format_placement  # noqa: E402
-from tpu.topology import AotError, GiB  # noqa: E402
+from tpu.topology import AotError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Wan2.2 I2V-A14B's experts, as stage 2 takes it")
     p.add_argument("--image", action="store_true", help="TI2V with a first frame (per-token "
                    "timesteps); I2V pipelines always take their image")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+    p.add_argument("--dtype", choices=tuple(reversed(DIT_DTYPES)), default="bf16",
                    help="weights on the device, fp32 islands kept (default bf16, as a load gives)")
     p.add_argument("--attention", default="splash", choices=("splash", "jax_dpa"),
                    help="attention lowering (default splash, the TPU kernel)")

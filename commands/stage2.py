@@ -35,7 +35,7 @@ from sampling.journal import Staged
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, PIPELINES
 from sampling.run import make_sample, noise_for, sample_once
-from sampling.run_spec import DEFAULT_SEED, DTYPES, RunSpec
+from sampling.run_spec import DEFAULT_SEED, DIT_DTYPES, RunSpec
 from sampling.schedulers import SOLVERS, SchedulerError
 from sampling.sinks import SinkUnavailable, plot_traces, write_tensorboard
 from sampling.stage_io import EMBEDDINGS, STAGE3_FIELDS, write_stage2
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "the tiny model trained here)")
     g.add_argument("--model_path", help="checkpoint (file or folder); Wan2.2 I2V-A14B: the folder "
                    "holding high_noise_model/ and low_noise_model/")
-    g.add_argument("--dtype", choices=tuple(DTYPES), help="weights (default bf16 with --model_path, "
+    g.add_argument("--dtype", choices=DIT_DTYPES, help="weights (default bf16 with --model_path, "
                    "else fp32)")
     g.add_argument("--video_length", type=int, help="frames, 4k + 1 (default: the model's)")
     g.add_argument("--height", type=int, help="pixels (default: the model's)")

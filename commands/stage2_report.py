@@ -13,13 +13,7 @@ from sampling.fidelity import fidelity
 from sampling.run import layer_ideal
 from sampling.run_spec import RunSpec
 from sampling.sinks import format_histograms, histograms
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
+from sampling.units import size_text
 
 
 def compile_counts(c):
@@ -115,8 +109,7 @@ def build_report(spec: RunSpec, traj, backend, seconds: float, *, warnings=(), c
         failsafes={k: v for k, v in summary["failsafes"].items() if v},
         compiles={"warmup": compile_counts(traj.warmup_compiles),
                   "loop": compile_counts(traj.loop_compiles),
-                  "warmup_seconds": traj.warmup_seconds,
-                  **({"process": process} if process is not None else {})},
+                  "warmup_seconds": traj.warmup_seconds, "process": process},
         time={"loop_seconds": stats.wall_seconds, "full_step_seconds": median(full),
                  "cached_step_seconds": median(cached), "full_steps": len(full),
                  "cached_steps": len(cached), "signal_reads": stats.signal_reads,
@@ -291,8 +284,8 @@ def format_summary(report: dict) -> str:
     lines += format_histograms(report.get("histograms", {}))
     if report.get("load"):
         ld = report["load"]
-        lines.append(f"weights: read {_bytes(ld['bytes_read'])} of the checkpoint's "
-                     f"{_bytes(ld['checkpoint_bytes'])} (this host's shards) in {ld['seconds']:.1f} s")
+        lines.append(f"weights: read {size_text(ld['bytes_read'])} of the checkpoint's "
+                     f"{size_text(ld['checkpoint_bytes'])} (this host's shards) in {ld['seconds']:.1f} s")
     w, lp = c["warmup"], c["loop"]
     if w is None:
         lines.append(f"compiles: none (eager); warm-up {c['warmup_seconds']:.1f} s")

@@ -45,6 +45,7 @@ from sampling.clips import clip_decodes
 from sampling.errors import StageFileError, UsageError
 from sampling.one_writer import one_writer
 from sampling.pipelines import FLOAT_DTYPES, PIPELINES, TensorSpec, get_pipeline
+from sampling.run_spec import DTYPES
 from sampling.stage_io import (
     CONFIG,
     LATENTS,
@@ -56,7 +57,6 @@ from sampling.stage_io import (
 )
 from vae_parallel.grid import PatchGridError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPE = "fp32"
 # what an H.264 mp4 plays: ffmpeg refuses frame rates it cannot write as a 1/90000 time base,
 # and no player shows more than a few hundred frames a second

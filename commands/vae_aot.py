@@ -14,9 +14,9 @@ import sys
 
 from sampling.cli import as_int
 from sampling.pipelines import PIPELINES
+from sampling.units import GiB
 from tpu.topology import AotError
 from tpu.vae_aot import (
-    DTYPES,
     VaeAotRequest,
     compile_decode,
     dtype_label,
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, choices=sorted(PIPELINES),
                    help="the pipeline whose VAE decodes (its released architecture)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v6e:2x4 (v6e-8)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",  # as the DiT's
                    help="VAE weights and compute (stage 3's --dtype)")
     p.add_argument("--height", default=None, help="video height (default: the pipeline's)")
     p.add_argument("--width", default=None, help="video width (default: the pipeline's)")
@@ -66,7 +66,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_summary(r: dict) -> str:
-    gib = 2**30
     m = r["memory"]
     lines = [f"{r['model']} decode ({r['vae']}, {dtype_label(r)}) on {r['topology']}: latents "
              f"{r['latent_shape']} -> video {r['video_shape']}, {r['split']} split over "
@@ -76,14 +75,14 @@ def format_summary(r: dict) -> str:
              f"{'(traffic)':>9s}  collectives"]
     for n, p in r["programs"].items():
         coll = ", ".join(f"{k} {v['count']}" for k, v in p["collectives"].items()) or "none"
-        lines.append(f"  {n:8s} {p['calls']:5d} {p['argument_bytes'] / gib:8.2f} "
-                     f"{p['temp_bytes'] / gib:8.2f} {p['output_bytes'] / gib:8.2f} "
+        lines.append(f"  {n:8s} {p['calls']:5d} {p['argument_bytes'] / GiB:8.2f} "
+                     f"{p['temp_bytes'] / GiB:8.2f} {p['output_bytes'] / GiB:8.2f} "
                      f"{p['flops'] / 1e12:7.2f} {p['bytes_accessed'] / 1e9:8.2f} "
                      f"{p['hbm_bytes'] / 1e9:7.2f} {1e3 * p['roofline']:11.2f} "
                      f"{1e3 * p['traffic']['roofline']:9.2f}  {coll}")
-    lines.append(f"  per chip: {m['total'] / gib:.2f} GiB of {m['hbm'] / gib:.2f} "
-                 f"({'fits' if m['fits'] else 'DOES NOT FIT'}; weights {m['weights'] / gib:.2f}, "
-                 f"in flight {m['in_flight'] / gib:.2f}); {r['tflop']:.1f} TFLOP; roofline "
+    lines.append(f"  per chip: {m['total'] / GiB:.2f} GiB of {m['hbm'] / GiB:.2f} "
+                 f"({'fits' if m['fits'] else 'DOES NOT FIT'}; weights {m['weights'] / GiB:.2f}, "
+                 f"in flight {m['in_flight'] / GiB:.2f}); {r['tflop']:.1f} TFLOP; roofline "
                  f"{r['roofline_seconds']:.2f} s ({r['roofline_seconds_traffic']:.2f} s with HBM "
                  f"traffic); compiled in {r['compile_seconds']:.0f} s{_compiles_label(r)}")
     return "\n".join(lines)

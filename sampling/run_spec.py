@@ -20,8 +20,12 @@ from cache import CMConfig
 from .cli import as_int, as_number
 from .errors import UsageError
 from .pipelines import MAX_STEPS, MAX_TOKENS, Pipeline, SizeError
+from .units import size_text
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the --dtype flags' names, the one table of them: the DiT runs in fp32 or bf16 (stage 2, the
+# deviceless compile), the VAE in any of the three (stage 3) or fp32/bf16 (its deviceless compile)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DIT_DTYPES = ("fp32", "bf16")
 DEFAULT_SEED = 42
 SIZE_KEYS = ("height", "width", "video_length")
 
@@ -141,7 +145,7 @@ def shift_of(value, pipe: Pipeline) -> float:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2 ** 30:,.1f} GiB"
+    return size_text(n, "GiB")
 
 
 def hidden_bytes(pipe: Pipeline, tokens: int) -> int:

@@ -38,7 +38,6 @@ from .topology import AotError, parse_topology, topology_devices, wraparound
 
 quiet_cpu_default()  # before jax: see its docstring
 
-import torch  # noqa: E402
 
 from cache.flags import CacheFlags, config_of  # noqa: E402
 from modules.checkpoint import cast_model, load_model  # noqa: E402
@@ -49,6 +48,7 @@ from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
 from sampling.run_spec import (  # noqa: E402
+    DTYPES,
     check_cfg,
     expert_path,
     shift_of,
@@ -142,7 +142,7 @@ def compile_run(request: AotRequest) -> dict:
                        "--weight_sharding fsdp both stay resident, split")
     check_writable_file("--json", request.json)
     image = pipe.task == "i2v" or (pipe.task == "ti2v" and request.image)
-    dtype = torch.bfloat16 if request.dtype == "bf16" else torch.float32
+    dtype = DTYPES[request.dtype]
 
     chip, devices = topology_devices(request.topology)
     if len(devices) != chips:  # the device count the checks above assumed

@@ -12,10 +12,11 @@ import os
 import re
 from dataclasses import dataclass
 
+from sampling.units import GiB
+
 # Compiling for a TPU needs no TPU: several processes may load libtpu at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-GiB = 2**30
 
 
 class AotError(ValueError):

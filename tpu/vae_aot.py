@@ -26,13 +26,12 @@ from modules.vae import VAES, spec_for
 from sampling.cli import as_int
 from sampling.journal import atomic_write
 from sampling.pipelines import SizeError, get_pipeline
+from sampling.run_spec import DTYPES
 from sampling.stage_io import check_writable_file
 
 from .program import ChainProgram, chain_record, chip_bytes, record
 from .topology import AotError, parse_topology, topology_devices
 from .vae_chain import Chain
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
