@@ -171,6 +171,26 @@ def check(pipeline, request: Request, weights) -> None:
         _image(request.image, h, w)
 
 
+def _hunyuan_masks(pipeline, p: str, embeds) -> dict:
+    """As the fixture trainer called HunyuanVideo-1.5 (bench/fixtures/families.py): the mask of
+    the prompt's words with the first token always valid (the empty prompt pools to zero, not
+    0/0), and no byT5 text (one all-masked token)."""
+    mask = embeds.abs().sum(-1) > 0
+    mask[:, 0] = True
+    cfg = pipeline.config
+    return {f"{p}prompt_embeds_mask": mask.to(torch.int64),
+            f"{p}prompt_embeds_2": torch.zeros((1, cfg.byt5_len, cfg.byt5_dim)),
+            f"{p}prompt_embeds_mask_2": torch.zeros((1, cfg.byt5_len), dtype=torch.int64)}
+
+
+def _nothing(pipeline, p: str, embeds) -> dict:
+    return {}
+
+
+# family -> the tensors its model reads beside the prompt's embeddings (Wan2.2: none)
+_TEXT_BESIDE = {"hunyuan_video15": _hunyuan_masks}
+
+
 def encode(pipeline, request: Request, weights, device="cpu") -> tuple[dict, dict]:
     check(pipeline, request, weights)
     table = _table(pipeline, weights)
@@ -179,16 +199,7 @@ def encode(pipeline, request: Request, weights, device="cpu") -> tuple[dict, dic
     for p, prompt in (("", request.prompt), ("negative_", negative)):
         embeds = torch.from_numpy(table.encode(prompt))[None]
         tensors[f"{p}prompt_embeds"] = embeds
-        if pipeline.family == "hunyuan_video15":
-            # As the fixture trainer called it (bench/fixtures/families.py): the mask of the
-            # prompt's words with the first token always valid (the empty prompt pools to zero,
-            # not 0/0), and no byT5 text (one all-masked token).
-            mask = embeds.abs().sum(-1) > 0
-            mask[:, 0] = True
-            cfg = pipeline.config
-            tensors[f"{p}prompt_embeds_mask"] = mask.to(torch.int64)
-            tensors[f"{p}prompt_embeds_2"] = torch.zeros((1, cfg.byt5_len, cfg.byt5_dim))
-            tensors[f"{p}prompt_embeds_mask_2"] = torch.zeros((1, cfg.byt5_len), dtype=torch.int64)
+        tensors.update(_TEXT_BESIDE.get(pipeline.family, _nothing)(pipeline, p, embeds))
     if request.image is not None:
         h, w, _ = pipeline.size
         tensors["image_latents"] = first_frame_latent(pipeline, _image(request.image, h, w))

@@ -165,17 +165,25 @@ PIXEL_ANCHORED = VaeSpec("pixel-anchored", "PixelLatents", 3, (1, 1), config={"a
 PIXEL_SPECS = {spec.name: spec for spec in (PIXELS, PIXEL_DELTAS, PIXEL_ANCHORED)}  # by Pipeline.latent
 
 
+# family -> spatial stride -> its VAE: Wan2.1's VAE (stride 8) serves Wan2.2 I2V-A14B and S2V,
+# Wan2.2's (stride 16) TI2V-5B
+FAMILY_VAES = {"hunyuan_video15": {16: "hunyuanvideo-1.5-vae"},
+               "wan": {8: "wan2.1-vae", 16: "wan2.2-vae"}}
+
+
 def spec_for(pipe) -> VaeSpec:
     """The VAE a sampling.pipelines.Pipeline decodes with (by family and spatial stride)."""
     if tuple(pipe.vae_stride) == PIXELS.stride:  # the tiny models trained in pixel space
         spec = PIXEL_SPECS[pipe.latent or PIXELS.name]
-    elif pipe.family == "hunyuan_video15":
-        spec = VAES["hunyuanvideo-1.5-vae"]
-    elif pipe.family == "wan":
-        spec = VAES["wan2.1-vae" if pipe.vae_stride[1] == 8 else "wan2.2-vae"]
+    elif pipe.family in FAMILY_VAES:
+        by_stride = FAMILY_VAES[pipe.family]
+        if pipe.vae_stride[1] not in by_stride:
+            raise VaeError(f"pipeline {pipe.name} has spatial VAE stride {pipe.vae_stride[1]}; "
+                           f"the {pipe.family} VAEs have {' or '.join(map(str, by_stride))}")
+        spec = VAES[by_stride[pipe.vae_stride[1]]]
     else:
-        raise VaeError(f"pipeline {pipe.name}: family {pipe.family!r} has no VAE; expected wan or "
-                       "hunyuan_video15")
+        raise VaeError(f"pipeline {pipe.name}: family {pipe.family!r} has no VAE; expected "
+                       f"{' or '.join(FAMILY_VAES)}")
     if tuple(pipe.vae_stride) != spec.stride:
         raise VaeError(f"pipeline {pipe.name} has VAE stride {pipe.vae_stride}; the {spec.name} "
                        f"has {spec.stride} (temporal, spatial)")

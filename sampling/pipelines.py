@@ -52,6 +52,117 @@ class TensorSpec:
     needs_token: bool = False  # a mask: every row marks at least one valid token
 
 
+class WanInputs:
+    """What a Wan2.2 model reads of stage 1 (TI2V-5B, each I2V-A14B expert, S2V-14B): umT5 text
+    of any length up to text_len, the image as latents or an I2V condition, speech clip by clip."""
+
+    @staticmethod
+    def latent_channels(cfg) -> int:
+        return cfg.out_dim
+
+    @staticmethod
+    def per_token_image(task: str, image: bool) -> bool:
+        """TI2V with a first frame: per-token timesteps and frame write-back (T10)."""
+        return task == "ti2v" and image
+
+    @staticmethod
+    def stage1_specs(pipe, latent_shape, neg, image: bool) -> dict[str, TensorSpec]:
+        cfg, (_, c, f, h, w) = pipe.config, latent_shape
+        specs = {f"{p}prompt_embeds": TensorSpec((1, None, cfg.text_dim), doc="umT5",
+                                                 most=(None, cfg.text_len, None)) for p in neg}
+        if pipe.task == "s2v":
+            specs.update({
+                "ref_latents": TensorSpec((1, c, 1, h, w), doc="VAE latent of the reference image"),
+                "audio_embeds": TensorSpec(
+                    (1, cfg.audio_layers, cfg.audio_dim, None),
+                    doc="wav2vec2 hidden states per video frame at 16 fps for every clip, as the "
+                        "official encode_audio returns them"),
+                "motion_latents": TensorSpec(
+                    (1, c, None, h, w), required=False,
+                    doc="VAE latents of the motion history (the last 73 frames); absent: the first "
+                        "clip drops its motion tokens (official drop_first_motion)"),
+                "pose_latents": TensorSpec((1, cfg.cond_dim, None, h, w), required=False,
+                                           doc="VAE latents of a pose video, F per clip"),
+            })
+        elif pipe.task == "i2v":
+            specs["condition"] = TensorSpec((1, cfg.in_dim - c, f, h, w),
+                                            doc="[mask 4 | image latent] (trap T9)")
+        elif image:
+            specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
+        return specs
+
+    @staticmethod
+    def conditions(pipe, tensors: dict, p: str, branch: str, image: bool,
+                   latent_shape) -> tuple[dict, dict]:
+        # Zero-padded to text_len, as the model pads it itself (official WanModel): the same
+        # numbers, and both CFG branches of one shape: one set of programs, and a batch-2 pair
+        # for fused or cfg-parallel CFG when the negative prompt is longer or shorter
+        context = tensors[f"{p}prompt_embeds"].float()
+        pad = pipe.config.text_len - context.shape[1]
+        kw = {"context": torch.nn.functional.pad(context, (0, 0, 0, pad)) if pad > 0 else context}
+        if pipe.task == "s2v":  # one clip's tensors (clip_inputs); no speech for uncond (official)
+            audio = tensors["audio"].float()
+            kw.update(ref_latent=tensors["ref_latents"].float(),
+                      motion_latents=tensors["motion_latents"].float(),
+                      audio=torch.zeros_like(audio) if branch == "uncond" else audio,
+                      motion_mask=tensors["motion_mask"].float())
+            if "pose" in tensors:
+                kw["pose"] = tensors["pose"].float()
+            return kw, {}
+        if pipe.task == "i2v":
+            kw["y"] = tensors["condition"].float()
+        return kw, {}
+
+
+class HunyuanInputs:
+    """What a HunyuanVideo-1.5 model reads of stage 1: MLLM and byT5 text with their masks, and
+    for image-to-video the SigLIP tokens and the first frame's latent (a [latent | mask]
+    condition)."""
+
+    @staticmethod
+    def latent_channels(cfg) -> int:
+        return cfg.in_channels
+
+    @staticmethod
+    def per_token_image(task: str, image: bool) -> bool:
+        return False
+
+    @staticmethod
+    def stage1_specs(pipe, latent_shape, neg, image: bool) -> dict[str, TensorSpec]:
+        cfg, (_, c, _, h, w) = pipe.config, latent_shape
+        specs = {}
+        for p in neg:
+            specs[f"{p}prompt_embeds"] = TensorSpec((1, cfg.text_len, cfg.text_dim), doc="MLLM")
+            specs[f"{p}prompt_embeds_mask"] = TensorSpec((1, cfg.text_len), MASK_DTYPES,
+                                                         needs_token=True)
+            specs[f"{p}prompt_embeds_2"] = TensorSpec((1, cfg.byt5_len, cfg.byt5_dim), doc="byT5")
+            specs[f"{p}prompt_embeds_mask_2"] = TensorSpec((1, cfg.byt5_len), MASK_DTYPES)
+        if image:
+            specs["image_embeds"] = TensorSpec((1, cfg.vision_len, cfg.vision_dim), doc="SigLIP")
+            specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
+        return specs
+
+    @staticmethod
+    def conditions(pipe, tensors: dict, p: str, branch: str, image: bool,
+                   latent_shape) -> tuple[dict, dict]:
+        cfg = pipe.config
+        kw = dict(text=tensors[f"{p}prompt_embeds"].float(),
+                  text_mask=tensors[f"{p}prompt_embeds_mask"].bool(),
+                  byt5=tensors[f"{p}prompt_embeds_2"].float(),
+                  byt5_mask=tensors[f"{p}prompt_embeds_mask_2"].bool())
+        if image:
+            z = tensors["image_latents"].float()
+            cond = torch.zeros((1, cfg.in_channels + 1, *latent_shape[2:]))
+            cond[:, : cfg.in_channels, :1] = z  # reference latent at frame 0, then the mask
+            cond[:, cfg.in_channels, 0] = 1.0
+            kw.update(cond=cond, vision=tensors["image_embeds"].float())
+        return kw, {"i2v": image}
+
+
+# family (modules.registry's name) -> what its models read of stage 1 and how
+FAMILY_INPUTS = {"wan": WanInputs, "hunyuan_video15": HunyuanInputs}
+
+
 @dataclass(frozen=True)
 class Pipeline:
     name: str
@@ -95,9 +206,14 @@ class Pipeline:
         """The step-distilled HunyuanVideo-1.5 reads the next timestep too (T23)."""
         return getattr(self.config, "use_meanflow", False)
 
+    @property
+    def inputs(self):
+        """What this pipeline's family reads of stage 1 (FAMILY_INPUTS)."""
+        return FAMILY_INPUTS[self.family]
+
     def ti2v_image(self, image: bool) -> bool:
         """Wan2.2 TI2V with a first frame: per-token timesteps and frame write-back (T10)."""
-        return self.family == "wan" and self.task == "ti2v" and image
+        return self.inputs.per_token_image(self.task, image)
 
     def expert_at(self, t: float) -> str | None:
         if not self.moe:
@@ -114,8 +230,7 @@ class Pipeline:
 
     @property
     def latent_channels(self) -> int:
-        cfg = self.config
-        return cfg.in_channels if self.family == "hunyuan_video15" else cfg.out_dim
+        return self.inputs.latent_channels(self.config)
 
     def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int, int, int]:
         """[1, C, F, H, W] for a clip, checked against the VAE and patch strides."""
@@ -151,47 +266,8 @@ class Pipeline:
 
     def stage1_specs(self, latent_shape, cfg_on: bool, image: bool) -> dict[str, TensorSpec]:
         """What stage1_embeddings.safetensors must hold for this pipeline."""
-        cfg, (_, c, f, h, w) = self.config, latent_shape
         neg = ("", "negative_") if cfg_on else ("",)
-        specs = {}
-        if self.family == "hunyuan_video15":
-            for p in neg:
-                specs[f"{p}prompt_embeds"] = TensorSpec((1, cfg.text_len, cfg.text_dim), doc="MLLM")
-                specs[f"{p}prompt_embeds_mask"] = TensorSpec((1, cfg.text_len), MASK_DTYPES,
-                                                             needs_token=True)
-                specs[f"{p}prompt_embeds_2"] = TensorSpec((1, cfg.byt5_len, cfg.byt5_dim), doc="byT5")
-                specs[f"{p}prompt_embeds_mask_2"] = TensorSpec((1, cfg.byt5_len), MASK_DTYPES)
-            if image:
-                specs["image_embeds"] = TensorSpec((1, cfg.vision_len, cfg.vision_dim), doc="SigLIP")
-                specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
-        else:
-            for p in neg:
-                specs[f"{p}prompt_embeds"] = TensorSpec((1, None, cfg.text_dim), doc="umT5",
-                                                        most=(None, cfg.text_len, None))
-            if self.task == "s2v":
-                specs.update(self._s2v_specs(latent_shape))
-            elif self.task == "i2v":
-                specs["condition"] = TensorSpec((1, cfg.in_dim - c, f, h, w),
-                                                doc="[mask 4 | image latent] (trap T9)")
-            elif image:
-                specs["image_latents"] = TensorSpec((1, c, 1, h, w), doc="first-frame VAE latent")
-        return specs
-
-    def _s2v_specs(self, latent_shape) -> dict[str, TensorSpec]:
-        cfg, (_, c, _, h, w) = self.config, latent_shape
-        return {
-            "ref_latents": TensorSpec((1, c, 1, h, w), doc="VAE latent of the reference image"),
-            "audio_embeds": TensorSpec(
-                (1, cfg.audio_layers, cfg.audio_dim, None),
-                doc="wav2vec2 hidden states per video frame at 16 fps for every clip, as the "
-                    "official encode_audio returns them"),
-            "motion_latents": TensorSpec(
-                (1, c, None, h, w), required=False,
-                doc="VAE latents of the motion history (the last 73 frames); absent: the first "
-                    "clip drops its motion tokens (official drop_first_motion)"),
-            "pose_latents": TensorSpec((1, cfg.cond_dim, None, h, w), required=False,
-                                       doc="VAE latents of a pose video, F per clip"),
-        }
+        return self.inputs.stage1_specs(self, latent_shape, neg, image)
 
     def clip_count(self, tensors: dict, latent_shape) -> int:
         """S2V: the clips the audio holds; raises ValueError on lengths that do not fit."""
@@ -254,37 +330,7 @@ class Pipeline:
     def conditions(self, tensors: dict, branch: str, image: bool, latent_shape) -> tuple[dict, dict]:
         """(tensor kwargs, static kwargs) of `prepare` for one CFG branch, batch 1."""
         p = "negative_" if branch == "uncond" else ""
-        if self.family == "hunyuan_video15":
-            cfg = self.config
-            kw = dict(text=tensors[f"{p}prompt_embeds"].float(),
-                      text_mask=tensors[f"{p}prompt_embeds_mask"].bool(),
-                      byt5=tensors[f"{p}prompt_embeds_2"].float(),
-                      byt5_mask=tensors[f"{p}prompt_embeds_mask_2"].bool())
-            if image:
-                z = tensors["image_latents"].float()
-                cond = torch.zeros((1, cfg.in_channels + 1, *latent_shape[2:]))
-                cond[:, : cfg.in_channels, :1] = z  # reference latent at frame 0, then the mask
-                cond[:, cfg.in_channels, 0] = 1.0
-                kw.update(cond=cond, vision=tensors["image_embeds"].float())
-            return kw, {"i2v": image}
-        # Zero-padded to text_len, as the model pads it itself (official WanModel): the same
-        # numbers, and both CFG branches of one shape: one set of programs, and a batch-2 pair
-        # for fused or cfg-parallel CFG when the negative prompt is longer or shorter
-        context = tensors[f"{p}prompt_embeds"].float()
-        pad = self.config.text_len - context.shape[1]
-        kw = {"context": torch.nn.functional.pad(context, (0, 0, 0, pad)) if pad > 0 else context}
-        if self.task == "s2v":  # one clip's tensors (clip_inputs); no speech for uncond (official)
-            audio = tensors["audio"].float()
-            kw.update(ref_latent=tensors["ref_latents"].float(),
-                      motion_latents=tensors["motion_latents"].float(),
-                      audio=torch.zeros_like(audio) if branch == "uncond" else audio,
-                      motion_mask=tensors["motion_mask"].float())
-            if "pose" in tensors:
-                kw["pose"] = tensors["pose"].float()
-            return kw, {}
-        if self.task == "i2v":
-            kw["y"] = tensors["condition"].float()
-        return kw, {}
+        return self.inputs.conditions(self, tensors, p, branch, image, latent_shape)
 
     def first_frame(self, tensors: dict, image: bool):
         """TI2V image mode: the clean first-frame latent written back after every step (T10)."""

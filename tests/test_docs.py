@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import cli_reference
+from tools import cli_reference, room_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -233,6 +233,13 @@ def test_no_internal_references(page):
     found = [m.group(0) for m in INTERNAL.finditer(page.read_text(encoding="utf-8"))]
     assert not found, (f"{_rel(page)} mentions {found}: development notes mean nothing to a "
                        "reader of the repository")
+
+
+def test_module_index_is_current():
+    """docs/modules.md names every module of the product rooms with its docstring's summary."""
+    want = room_table.render()
+    have = (ROOT / "docs" / "modules.md").read_text(encoding="utf-8")
+    assert have == want, "docs/modules.md is stale: run `python -m tools.room_table > docs/modules.md`"
 
 
 def test_cli_reference_is_current():

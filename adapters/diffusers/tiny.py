@@ -76,25 +76,54 @@ def diffusers_transformer(model) -> torch.nn.Module:
     return theirs.eval()
 
 
+def _wan_pipeline(ours, transformers: dict, boundary_ratio):
+    scheduler = WanGridUniPC(prediction_type="flow_prediction", use_flow_sigmas=True,
+                             num_train_timesteps=1000, flow_shift=ours.shift)
+    parts = ({"transformer": transformers[None]} if None in transformers else
+             {"transformer": transformers["high"], "transformer_2": transformers["low"],
+              "boundary_ratio": boundary_ratio})
+    return diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=scheduler,
+                                 **parts)
+
+
+def _hunyuan_pipeline(ours, transformers: dict, boundary_ratio):
+    from diffusers.guiders import ClassifierFreeGuidance
+    return diffusers.HunyuanVideo15Pipeline(
+        text_encoder=None, tokenizer=None, transformer=transformers[None],
+        vae=GeometryVAE(ours.latent_channels),
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=ours.shift),
+        text_encoder_2=None, tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=ours.guidance))
+
+
+def _wan_inputs(ours, tensors: dict, shape, text_len) -> dict:
+    # the latents are given, so the pixel size only meets WanPipeline's checks (it rounds and
+    # warns otherwise): sizes its VAE strides would give
+    def pad(c):
+        return torch.nn.functional.pad(c.float(), (0, 0, 0, text_len - c.shape[1]))
+    return dict(prompt_embeds=pad(tensors["prompt_embeds"]),
+                negative_prompt_embeds=pad(tensors["negative_prompt_embeds"]),
+                guidance_scale=ours.guidance, height=32 * math.ceil(shape[3] / 32),
+                width=32 * math.ceil(shape[4] / 32), num_frames=4 * (shape[2] - 1) + 1)
+
+
+def _hunyuan_inputs(ours, tensors: dict, shape, text_len) -> dict:
+    kw = {f"{p}prompt_embeds{s}": tensors[f"{p}prompt_embeds{s}"].float()
+          for p in ("", "negative_") for s in ("", "_2")}
+    kw.update({f"{p}prompt_embeds_mask{s}": tensors[f"{p}prompt_embeds_mask{s}"]
+               for p in ("", "negative_") for s in ("", "_2")})
+    return kw
+
+
+# family -> (its diffusers pipeline around our transformers, its call's keywords)
+PIPELINE_OF = {"wan": (_wan_pipeline, _wan_inputs),
+               "hunyuan_video15": (_hunyuan_pipeline, _hunyuan_inputs)}
+
+
 def make_pipeline(ours, transformers: dict, boundary_ratio: float | None = None):
     """A diffusers pipeline for our pipeline `ours` around `transformers` (expert -> diffusers
     transformer: None, or "high" and "low"), sampling latents only."""
-    if ours.family == "wan":
-        scheduler = WanGridUniPC(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                 num_train_timesteps=1000, flow_shift=ours.shift)
-        parts = ({"transformer": transformers[None]} if None in transformers else
-                 {"transformer": transformers["high"], "transformer_2": transformers["low"],
-                  "boundary_ratio": boundary_ratio})
-        pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=None,
-                                     scheduler=scheduler, **parts)
-    else:
-        from diffusers.guiders import ClassifierFreeGuidance
-        pipe = diffusers.HunyuanVideo15Pipeline(
-            text_encoder=None, tokenizer=None, transformer=transformers[None],
-            vae=GeometryVAE(ours.latent_channels),
-            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=ours.shift),
-            text_encoder_2=None, tokenizer_2=None,
-            guider=ClassifierFreeGuidance(guidance_scale=ours.guidance))
+    pipe = PIPELINE_OF[ours.family][0](ours, transformers, boundary_ratio)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -104,22 +133,7 @@ def call_inputs(ours, tensors: dict, shape, seed: int = 0, text_len: int | None 
     the noise our stage 2 draws for `seed`, latents out."""
     common = dict(latents=noise_for(shape, seed), num_inference_steps=ours.steps,
                   output_type="latent", height=shape[3], width=shape[4], num_frames=shape[2])
-    if ours.family == "wan":
-        # the latents are given, so the pixel size only meets WanPipeline's checks (it rounds
-        # and warns otherwise): sizes its VAE strides would give
-        common.update(height=32 * math.ceil(shape[3] / 32), width=32 * math.ceil(shape[4] / 32),
-                      num_frames=4 * (shape[2] - 1) + 1)
-
-        def pad(c):
-            return torch.nn.functional.pad(c.float(), (0, 0, 0, text_len - c.shape[1]))
-        return dict(prompt_embeds=pad(tensors["prompt_embeds"]),
-                    negative_prompt_embeds=pad(tensors["negative_prompt_embeds"]),
-                    guidance_scale=ours.guidance, **common)
-    kw = {f"{p}prompt_embeds{s}": tensors[f"{p}prompt_embeds{s}"].float()
-          for p in ("", "negative_") for s in ("", "_2")}
-    kw.update({f"{p}prompt_embeds_mask{s}": tensors[f"{p}prompt_embeds_mask{s}"]
-               for p in ("", "negative_") for s in ("", "_2")})
-    return {**kw, **common}
+    return {**common, **PIPELINE_OF[ours.family][1](ours, tensors, shape, text_len)}
 
 
 def tiny_pipeline(prompt: str, model: str = "wan-tiny-trained", seed: int = 0):
