@@ -42,12 +42,12 @@ from sampling.cli import CommandParser, as_int, command
 from sampling.errors import StageFileError, UsageError
 from sampling.pipelines import DEFAULT_PIPELINE, PIPELINES, Pipeline, get_pipeline
 from sampling.run import make_sample, sample_once
-from sampling.run_spec import check_path
+from sampling.run_spec import Launch, check_path
 from sampling.schedulers import SchedulerError
 from sampling.stage_io import check_writable_file
 from sampling.stages import SignalPlan
 
-from .stage2_backend import load_models
+from .stage2_backend import load_models, make_backend
 
 
 def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solver, shift):
@@ -65,7 +65,7 @@ def collect(backend, pipe, tensors_by_seed, latent_shape, *, signal, steps, solv
     return calibration.collect(observed_run, tensors_by_seed, steps=steps)
 
 
-def runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
+def runner(backend_for, pipe, latent_shape, *, steps, solver, shift):
     """once(config, seed, tensors) -> (final latents on the host, computed fraction of block
     evaluations; a reuse runs the probe and tail), one backend per probe/tail/signal plan."""
     backends = {}
@@ -74,10 +74,10 @@ def runner(make_backend, pipe, latent_shape, *, steps, solver, shift):
     def once(config, seed, tensors, fresh=False):
         plan = SignalPlan.from_config(config)
         if fresh:  # weights changed since the plan's backend was made (a JAX one holds a copy)
-            backend = make_backend(plan)
+            backend = backend_for(plan)
         else:  # one backend (one set of programs) per probe/tail/signal plan
             if plan not in backends:
-                backends[plan] = make_backend(plan)
+                backends[plan] = backend_for(plan)
             backend = backends[plan]
         sample = make_sample(backend, pipe, tensors, latent_shape, image=pipe.task == "i2v",
                              seed=seed)
@@ -199,20 +199,12 @@ def run(args: argparse.Namespace) -> dict:
     return calibrate(request_of(args))
 
 
-def _backend(kind: str, models: dict, plan):
-    if kind == "torch":
-        from torch_backend.backend import TorchBackend
-        return TorchBackend(models, plan)
-    from tpu.backend import JaxBackend
-    return JaxBackend(models, plan)
-
-
 def calibrate(spec: Calibration) -> dict:
     """Sample, fit, (measure the budget's configurations,) write the profile once, at the end."""
     pipe, steps = spec.pipe, spec.steps
     models = load_models(pipe, spec.model_path, torch.float32)
     plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig(signal=spec.signal)))
-    backend = _backend(spec.backend, models, plan)
+    backend = make_backend(Launch(backend=spec.backend), models, plan)
     shape = pipe.latent_shape(*pipe.size)
     seeds = range(spec.first_seed, spec.first_seed + spec.samples)
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
@@ -231,8 +223,8 @@ def calibrate(spec: Calibration) -> dict:
         source=f"commands.calibrate: {pipe.name}, {spec.samples} samples x {steps} steps "
                f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}")
     if spec.budget:
-        once = runner(lambda plan: _backend(spec.backend, models, plan), pipe, shape,
-                      steps=steps, solver=pipe.solver, shift=pipe.shift)
+        once = runner(lambda plan: make_backend(Launch(backend=spec.backend), models, plan), pipe,
+                      shape, steps=steps, solver=pipe.solver, shift=pipe.shift)
         candidates = calibration.measure_space(
             once, tensors, space=budget_space.space(pipe.solver, steps, pipe.shift),
             log=lambda line: print(line, flush=True), memo=memo)

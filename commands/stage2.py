@@ -35,7 +35,7 @@ from sampling.journal import Staged
 from sampling.one_writer import one_writer
 from sampling.pipelines import DEFAULT_PIPELINE, DEFAULT_PROMPT, PIPELINES
 from sampling.run import make_sample, noise_for, sample_once
-from sampling.run_spec import DEFAULT_SEED, DIT_DTYPES, RunSpec
+from sampling.run_spec import DEFAULT_SEED, DIT_DTYPES, Launch, RunSpec
 from sampling.schedulers import SOLVERS, SchedulerError
 from sampling.sinks import SinkUnavailable, plot_traces, write_tensorboard
 from sampling.stage_io import EMBEDDINGS, STAGE3_FIELDS, write_stage2
@@ -52,6 +52,8 @@ from .stage2_backend import (
 )
 from .stage2_report import Stage2Report, build_report, compare_report, compile_counts, format_summary
 from .stage2_resolve import Stage2Request, check_prompt_used, request_of, resolve
+
+LAUNCH = Launch()  # where a run executes unless its flags say otherwise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num_clips", type=int, help="speech-to-video: clips to sample, each "
                    "--video_length frames (default: all the audio holds)")
     g = parser.add_argument_group("backend and compile")
-    g.add_argument("--backend", choices=("jax", "torch"), default="jax",
+    g.add_argument("--backend", choices=("jax", "torch"), default=LAUNCH.backend,
                    help="jax (torchax programs; TPU, GPU, CPU) or torch (CUDA, Ascend NPU, CPU)")
     g.add_argument("--device", help="torch backend: cuda, npu or cpu (default: the first present)")
     g.add_argument("--torch_compile", action="store_true",
@@ -92,12 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "residuals then live on the host too (unless --cache_offload says otherwise)")
     g.add_argument("--attention", help="ops.attention implementation while tracing (default: "
                    "splash on TPU, jax_dpa elsewhere)")
-    g.add_argument("--warmup_steps", type=int, default=1,
+    g.add_argument("--warmup_steps", type=int, default=LAUNCH.warmup_steps,
                    help="warm-up rounds before the timed loop; each runs every program once "
                         "(default 1)")
     add_compile_cache_flag(g)
     g = parser.add_argument_group("parallel")
-    g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=1,
+    g.add_argument("--ulysses_size", "--sp_size", dest="sp_size", type=int, default=LAUNCH.sp_size,
                    help="sequence-parallel group size: devices (JAX) or processes (torchrun) "
                         "that split the tokens, Ulysses attention (default 1)")
     g.add_argument("--cfg_parallel", action="store_true",
@@ -138,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="also run uncached from the same inputs; report speedup and fidelity")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
     add_cache_arguments(parser)
+
 
 
 # --help shows these (one screen); --help_all every flag

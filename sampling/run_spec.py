@@ -33,22 +33,23 @@ SIZE_KEYS = ("height", "width", "video_length")
 @dataclass(frozen=True, kw_only=True)
 class Launch:
     """Where the run executes: backend, devices and their layout, compilation (the flags' own
-    names and values; checked with the rest)."""
+    names and values; checked with the rest). The defaults are stage 2's flags' (its parser reads
+    them here): one process, one device, the persistent compile cache in its default folder."""
 
-    backend: str
-    device: str | None
-    attention: str | None
-    torch_compile: bool
-    offload_model: bool
-    compile_cache_dir: str | None  # None: the default folder; 'none': no persistent cache
-    warmup_steps: int
-    sp_size: int
-    cfg_parallel: bool
-    weight_sharding: str | None
-    multihost: bool
-    coordinator_address: str | None
-    num_processes: int | None
-    process_id: int | None
+    backend: str = "jax"
+    device: str | None = None
+    attention: str | None = None
+    torch_compile: bool = False
+    offload_model: bool = False
+    compile_cache_dir: str | None = None  # None: the default folder; 'none': no persistent cache
+    warmup_steps: int = 1
+    sp_size: int = 1
+    cfg_parallel: bool = False
+    weight_sharding: str | None = None
+    multihost: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
