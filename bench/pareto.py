@@ -85,7 +85,6 @@ from bench.pareto_workload import (  # noqa: E402
     FOLLOW_SEEDS,
     INIT,
     SEED,
-    TRAINED,
     Family,
     Workload,
     build_workload,
@@ -284,7 +283,7 @@ def methods(wl: Workload, quick: bool, cache: dict) -> list[Method]:
             deepcache=DeepCacheConfig(start=a, end=wl.steps, interval=n), forecast=1,
             bn_blocks=0))) for a, n in schedules],
         "no tail block, linear forecast, the last step computed"))
-    if wl.family.key == "wan":  # remodulated reuse needs gates the blocks share (Wan2.2)
+    if wl.family.remodulates:  # remodulated reuse needs gates the blocks share (Wan2.2)
         out.append(Method("ours DeepCache B0 +forecast1 remodulated", "ours", [
             (f"start {a}, every {n}", ours(CMConfig(
                 deepcache=DeepCacheConfig(start=a, end=wl.steps, interval=n), forecast=1,
@@ -356,9 +355,9 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
     """Every run of one family: rows, traces and the baselines' facts."""
     wl = build_workload(family, args.steps)
     cache = {"counter": our_counter(wl),
-             "profile_path": os.path.join(args.out, f"budget_profile_{family.key}.json"),
+             "profile_path": os.path.join(args.out, f"budget_profile_{family.label}.json"),
              "confirm_seeds": confirm_seeds(args.confirm_draws),
-             "runs_path": runs_path(args.out, family.key)}
+             "runs_path": runs_path(args.out, family.label)}
     print(f"\n{family.title}: {family.config.num_layers} blocks, width "
           f"{getattr(family.config, 'dim', None) or family.config.hidden_size}, latent "
           f"{list(wl.shape)} ({wl.pipe.tokens(wl.shape)} tokens), {wl.steps} steps "
@@ -380,9 +379,9 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
     # how much one timing moves between identical runs: the noise floor of every speedup
     spread = max(abs(a.cpu - b.cpu) / min(a.cpu, b.cpu) for a, b in (ours_twice, theirs_twice))
     agreement = fidelity(their_base.latents, ours_base.latents, noise)
-    rows = [row(family.key, "uncached", "ours", "-", ours_base, ours_base, noise),
+    rows = [row(family.label, "uncached", "ours", "-", ours_base, ours_base, noise),
             # diffusers' uncached latents against ours: the harness agreement
-            row(family.key, "uncached", "diffusers", "- (PSNR etc. against ours)", their_base,
+            row(family.label, "uncached", "diffusers", "- (PSNR etc. against ours)", their_base,
                 ours_base, noise)]
     rows[1]["speedup"] = 1.0  # peers' speedups are over this run
     for r in rows:
@@ -398,12 +397,12 @@ def run_family(family: Family, args) -> tuple[list[dict], dict, dict]:
                 run = pooled(go)(wl)
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                rows.append(row(family.key, m.name, m.impl, "all", status=f"not run: {reason}"))
+                rows.append(row(family.label, m.name, m.impl, "all", status=f"not run: {reason}"))
                 print(show(rows[-1]), flush=True)
                 break  # the same failure for every setting of this method
             base = ours_base if m.impl == "ours" else their_base
             label = f"{label}: {run.note}" if run.note else label
-            rows.append(row(family.key, m.name, m.impl, label, run, base, noise))
+            rows.append(row(family.label, m.name, m.impl, label, run, base, noise))
             print(show(rows[-1]), flush=True)
             traces[f"{m.name} | {label}"] = {"per_call_blocks": run.per_call, "trace": run.trace}
             if run.follow is not None:
@@ -445,7 +444,7 @@ def adapter_check(wl: Workload, pooled, traces: dict, rows: list[dict], their_ba
         if ours_row is None or key not in traces:
             continue
         run = pooled(lambda w, name=name: run_diffusers(w, adapter_setup(w, {"preset": name})))(wl)
-        r = row(wl.family.key, "adapter presets", "ours", name, run, their_base, noise)
+        r = row(wl.family.label, "adapter presets", "ours", name, run, their_base, noise)
         out.append({"preset": name, "computed": run.fraction,
                     "same_blocks": run.per_call == traces[key]["per_call_blocks"],
                     "psnr_db": r["psnr_db"], "ours_psnr_db": ours_row["psnr_db"]})
@@ -539,7 +538,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     began, load = time.perf_counter(), os.getloadavg()[0]
     init = (INIT if args.weights == "random" else
-            f"trained here ({', '.join(PIPELINES[TRAINED[f.key]].builtin for f in fams)}), every "
+            f"trained here ({', '.join(PIPELINES[f.trained_pipeline].builtin for f in fams)}), every "
             + (f"setting on {args.follow} held-out prompts" if args.follow
                else f"setting on the held-out prompt of draw {SEED}"))
     print(f"machine: {machine()}\npeers: {versions()}\nweights: {init}\n"
@@ -547,12 +546,12 @@ def main(argv=None) -> int:
           "of the same implementation's uncached loop over the run's; PSNR, rel L2, rel/disp "
           "against its uncached latents")
     rows, facts = [], {}
-    for fam, (fam_rows, traces, facts[fam.key]) in zip(fams, run_families(fams, args), strict=True):
+    for fam, (fam_rows, traces, facts[fam.label]) in zip(fams, run_families(fams, args), strict=True):
         rows += fam_rows
-        write_json(os.path.join(args.out, f"traces_{fam.key}.json.gz"), traces)
+        write_json(os.path.join(args.out, f"traces_{fam.label}.json.gz"), traces)
     write_csv(rows, os.path.join(args.out, "results.csv"))
     atomic_write(os.path.join(args.out, "table.md"), lambda f: f.write("".join(
-        f"## {fam.title}\n\n" + "\n".join(table(rows, fam.key)) + "\n\n" for fam in fams)))
+        f"## {fam.title}\n\n" + "\n".join(table(rows, fam.label)) + "\n\n" for fam in fams)))
     have_plot = plot(rows, fams, os.path.join(args.out, "pareto.png"))
     if args.weights == "trained" and args.follow:
         plot_follow(rows, fams, os.path.join(args.out, "follow.png"))
@@ -561,14 +560,14 @@ def main(argv=None) -> int:
                  (load, os.getloadavg()[0]), have_plot)
     for fam in fams:  # the page is whole: its profile holds every calibration run it needs
         with contextlib.suppress(FileNotFoundError):
-            os.remove(runs_path(args.out, fam.key))
+            os.remove(runs_path(args.out, fam.label))
     for fam in fams:
         print(f"\n{fam.title}: where we stand")
         for metric in METRICS:
-            print("\n".join(standing(rows, fam.key, metric)[0]))
-        print("\n".join(budget_standing_of(rows, fam.key, facts[fam.key])[0]))
+            print("\n".join(standing(rows, fam.label, metric)[0]))
+        print("\n".join(budget_standing_of(rows, fam.label, facts[fam.label])[0]))
         if fam.trained and args.follow:
-            print("\n".join(follow_standing(rows, fam.key, args.follow)[0]))
+            print("\n".join(follow_standing(rows, fam.label, args.follow)[0]))
     print(f"\nwrote {os.path.relpath(args.out)}/ (README.md, results.csv, table.md"
           f"{', pareto.png' if have_plot else ''}, traces_*.json.gz) in {elapsed / 60:.1f} min")
     return 0

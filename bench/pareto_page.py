@@ -50,7 +50,7 @@ def _harness_note(rows, fams, facts) -> str | None:
     parts = []
     for fam in fams:
         def ok(method, fam=fam):
-            return {r["setting"]: r for r in rows if r["family"] == fam.key and r["method"] == method
+            return {r["setting"]: r for r in rows if r["family"] == fam.label and r["method"] == method
                     and r["status"] == "ok"}
         ours, theirs = ok("ours FBCache"), ok("diffusers FBC")
         common = [s for s in theirs if s in ours]
@@ -61,7 +61,7 @@ def _harness_note(rows, fams, facts) -> str | None:
         differ = [f"threshold {s.removeprefix('threshold ')} "
                   f"{ours[s]['computed_fraction'] - theirs[s]['computed_fraction']:+.3f} computed, "
                   f"{ours[s]['psnr_db'] - theirs[s]['psnr_db']:+.1f} dB" for s in common if s not in same]
-        text = (f"on {fam.title} ({facts[fam.key]['steps']} steps), the same computed fraction and PSNR "
+        text = (f"on {fam.title} ({facts[fam.label]['steps']} steps), the same computed fraction and PSNR "
                 f"at threshold {', '.join(s.removeprefix('threshold ') for s in same) or 'none'}")
         if differ:
             text += "; elsewhere ours against diffusers': " + "; ".join(differ)
@@ -77,7 +77,7 @@ def _front_note(rows, fams) -> str:
     """Which of our curves make our front (budgeted mode aside), the gated ones counted."""
     parts = []
     for fam in fams:
-        ours = front([p for pts in _curves(rows, fam.key).values() for p in pts])
+        ours = front([p for pts in _curves(rows, fam.label).values() for p in pts])
         if not ours:
             continue
         by = {}
@@ -101,8 +101,8 @@ def _cheap_end_note(rows, fams) -> str | None:
     """The step-weighted curve at diffusers FBC's cheapest front points."""
     parts = []
     for fam in fams:
-        mine = _curves(rows, fam.key).get(STEP_WEIGHTED)
-        fbc = [p for p in points(rows, fam.key, False) if p[2] == "diffusers FBC"]
+        mine = _curves(rows, fam.label).get(STEP_WEIGHTED)
+        fbc = [p for p in points(rows, fam.label, False) if p[2] == "diffusers FBC"]
         if not mine or not fbc:
             continue
         at = []
@@ -127,7 +127,7 @@ def _monotonic_note(rows, fams) -> str:
     """How many of our curves lose PSNR while computing more, and the widest such pair."""
     worst, bad, total = None, 0, 0
     for fam in fams:
-        for name, pts in _curves(rows, fam.key).items():
+        for name, pts in _curves(rows, fam.label).items():
             total += 1
             pairs = [(a, b) for a in pts for b in pts if a[0] < b[0] and a[1] > b[1]]
             bad += bool(pairs)
@@ -169,10 +169,10 @@ def _budget_note(rows, facts) -> str:
 def notes(rows, fams, facts) -> str:
     """The random-weight page's reading: every figure in it computed from this run's rows and
     facts; a note whose rows are missing is left out."""
-    spread = max(facts[f.key]["spread"] for f in fams)
-    models = "; ".join(f"{fam.title}: {facts[fam.key]['blocks']} blocks of width "
+    spread = max(facts[f.label]["spread"] for f in fams)
+    models = "; ".join(f"{fam.title}: {facts[fam.label]['blocks']} blocks of width "
                        f"{getattr(fam.config, 'dim', None) or fam.config.hidden_size}, "
-                       f"{facts[fam.key]['tokens']} tokens" for fam in fams)
+                       f"{facts[fam.label]['tokens']} tokens" for fam in fams)
     bullets = [
         _harness_note(rows, fams, facts), _front_note(rows, fams), _cheap_end_note(rows, fams),
         _monotonic_note(rows, fams),
@@ -217,20 +217,20 @@ def trained_caveats(fams, facts, follow: int) -> str:
     """The trained regime's caveats bullet, from this run's prompt count and models."""
     prompts = (f"{follow} prompts (one prompt is {100 / follow:.0f} points of accuracy)" if follow
                else "one draw (prompt following not measured)")
-    models = "; ".join(f"{fam.title}: {facts[fam.key]['blocks']} blocks of "
-                       f"{facts[fam.key]['tokens']} tokens" for fam in fams)
+    models = "; ".join(f"{fam.title}: {facts[fam.label]['blocks']} blocks of "
+                       f"{facts[fam.label]['tokens']} tokens" for fam in fams)
     text = (f"- Caveats: {prompts}; tiny models ({models}); CPU seconds of a tiny model are "
             "mostly per-call overhead, so the computed fraction is the figure to compare.")
     return textwrap.fill(text, 96, subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
 
 def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
-    names = {f.key: f.title for f in fams}
+    names = {f.label: f.title for f in fams}
     not_run = [r for r in rows if r["status"] != "ok" and r["family"] in names]
-    standings = {f.key: {m: standing(rows, f.key, m) for m in METRICS} for f in fams}
-    budgets = {f.key: budget_standing_of(rows, f.key, facts[f.key]) for f in fams}
+    standings = {f.label: {m: standing(rows, f.label, m) for m in METRICS} for f in fams}
+    budgets = {f.label: budget_standing_of(rows, f.label, facts[f.label]) for f in fams}
     # what one flag gives with PSNR as the mean over draws (the promises read the same)
-    budgets_mean = {f.key: budget_standing_of(rows, f.key, facts[f.key], "psnr_db_mean", False)
+    budgets_mean = {f.label: budget_standing_of(rows, f.label, facts[f.label], "psnr_db_mean", False)
                     for f in fams}
     regime = "trained weights" if args.weights == "trained" else "random weights"
     lines = ["# Fidelity against speed: our caching beside diffusers' cache hooks and cache-dit", "",
@@ -249,7 +249,7 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
         lines.append(f"- {names[k]} ({regime}), PSNR pooled: {budgets[k][1]}.")
         lines.append(f"- {names[k]} ({regime}), PSNR mean over draws: {budgets_mean[k][1]}.")
     if args.weights == "trained" and args.follow:
-        lines += [f"- {f.title}, prompt following: {follow_standing(rows, f.key, args.follow)[1]}."
+        lines += [f"- {f.title}, prompt following: {follow_standing(rows, f.label, args.follow)[1]}."
                   for f in fams]
     lines += ["", "## Setup", "",
               f"- Machine: {machine()}.", f"- Peers as installed: {versions()}.",
@@ -278,7 +278,7 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
         from bench.fixtures.recipes import provenance
         lines += [f"- {fam.title}: {provenance(fam.checkpoint)}." for fam in fams]
     for fam in fams:
-        f, a = facts[fam.key], facts[fam.key]["agreement"]
+        f, a = facts[fam.label], facts[fam.label]["agreement"]
         psnr = "inf (identical)" if a["psnr_db"] == math.inf else f"{a['psnr_db']:.1f} dB"
         lines.append(f"- {fam.title}: {f['blocks']} blocks, latent {f['shape']} ({f['tokens']} "
                      f"tokens), {f['steps']} steps {f['solver']} shift {f['shift']}, CFG "
@@ -305,20 +305,20 @@ def write_readme(path, rows, fams, facts, args, elapsed, loads, have_plot):
                       "(pareto.png)"]
     for fam in fams:
         lines += ["", f"## Where we stand: {fam.title} ({regime})", ""]
-        for metric, (body, _) in standings[fam.key].items():
+        for metric, (body, _) in standings[fam.label].items():
             lines += [f"### PSNR {METRICS[metric]}", ""] + body + [""]
-        lines += ["", "### One flag: budgeted mode and the presets", ""] + budgets[fam.key][0]
-        lines += ["", "With PSNR as the mean over draws:", ""] + budgets_mean[fam.key][0]
+        lines += ["", "### One flag: budgeted mode and the presets", ""] + budgets[fam.label][0]
+        lines += ["", "With PSNR as the mean over draws:", ""] + budgets_mean[fam.label][0]
         if fam.trained and args.follow:
             lines += ["", "### Prompt following against computed fraction", ""]
-            lines += follow_standing(rows, fam.key, args.follow)[0]
+            lines += follow_standing(rows, fam.label, args.follow)[0]
             lines += ["", "![prompt following against computed fraction](follow.png)"]
     reading = (TRAINED_NOTES + trained_caveats(fams, facts, args.follow) if args.weights == "trained"
                else notes(rows, fams, facts))
     lines += ["", "## Reading it", "", reading]
     for fam in fams:
-        lines += [f"## Table: {fam.title}", ""] + table(rows, fam.key) + [""]
-    lines += ["Settings: " + "; ".join(f"{k}: {v}" for k, v in facts[fams[0].key]["about"].items()
+        lines += [f"## Table: {fam.title}", ""] + table(rows, fam.label) + [""]
+    lines += ["Settings: " + "; ".join(f"{k}: {v}" for k, v in facts[fams[0].label]["about"].items()
                                        if v) + ".", "",
               "Files: results.csv (every row), table.md, pareto.png, traces_<family>.json.gz "
               "(per run: the block-equivalents computed in each "

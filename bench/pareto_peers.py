@@ -1,6 +1,8 @@
 """bench/pareto.py's peers as installed libraries: diffusers' transformer with our weights, the
 small loop that drives it with our scheduler and CFG, its cache hooks and cache-dit. One adapter
-per peer; each returns a Run counted by the same block hooks as ours."""
+per peer; each returns a Run counted by the same block hooks as ours. What diffusers' side of a
+family does differently is that family's record in DIFFUSERS_FAMILIES, found by the registry's
+family name."""
 
 from __future__ import annotations
 
@@ -9,27 +11,63 @@ import io
 import json
 import re
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from adapters.diffusers.tiny import fit_fixed_widths
 from bench.pareto_workload import CALIBRATION_SEED, BlockCounter, Run, Workload
-from modules.hunyuan_video15_format import diffusers_config as hunyuan_diffusers_config
-from modules.wan_format import diffusers_config as wan_diffusers_config
+from modules.layouts import DIFFUSERS
+from modules.registry import FAMILIES
 from sampling.loop import Combination, folding
 from sampling.schedulers import make_scheduler
+
+# --- diffusers' side of each family -----------------------------------------------------------
+
+
+def _wan_inputs(host: dict, cfg) -> dict:
+    context = host["context"]  # diffusers attends to the zero padding as ours does (T3)
+    return {"encoder_hidden_states": torch.nn.functional.pad(
+        context, (0, 0, 0, cfg.text_len - context.shape[1]))}
+
+
+def _hunyuan_inputs(host: dict, cfg) -> dict:
+    return {"encoder_hidden_states": host["text"], "encoder_attention_mask": host["text_mask"],
+            "encoder_hidden_states_2": host["byt5"], "encoder_attention_mask_2": host["byt5_mask"],
+            "image_embeds": torch.zeros(1, cfg.vision_len, cfg.vision_dim)}  # zeros: T2V (T22)
+
+
+@dataclass(frozen=True)
+class DiffusersFamily:
+    """What diffusers' transformer of one family is given and told (its class, config and key
+    mapping come from the registry's checkpoint format)."""
+
+    # (our host conditions of one CFG branch, our config) -> the forward's keyword inputs
+    inputs: Callable[[dict, Any], dict]
+    cond_channels: bool  # its latent input is [noise | cond | mask]: zeros after the noise (T17)
+    # TaylorSeer's module patterns: diffusers' defaults ('^blocks.*attn' under re.fullmatch) match
+    # no Wan module ('blocks.0.attn1'), so with defaults TaylorSeer caches nothing on Wan
+    taylorseer: tuple[str, ...]
+
+
+# modules.registry's family name -> diffusers' side of that family
+DIFFUSERS_FAMILIES = {
+    "wan": DiffusersFamily(_wan_inputs, False,
+                           (r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2", r"blocks\.\d+\.ffn")),
+    "hunyuan_video15": DiffusersFamily(
+        _hunyuan_inputs, True, (r"transformer_blocks\.\d+\.attn", r"transformer_blocks\.\d+\.ff",
+                                r"transformer_blocks\.\d+\.ff_context")),
+}
 
 
 def diffusers_model(wl: Workload) -> torch.nn.Module:
     """A fresh diffusers model with our weights (cache-dit patches in place: one per run)."""
     import diffusers
 
-    cfg = wl.family.config
-    if wl.family.key == "wan":
-        model = diffusers.WanTransformer3DModel(**wan_diffusers_config(cfg))
-    else:
-        model = diffusers.HunyuanVideo15Transformer3DModel(**hunyuan_diffusers_config(cfg))
+    cfg, fmt = wl.family.config, FAMILIES[wl.family.name].format
+    cls = getattr(diffusers, fmt.config_to_json(cfg, DIFFUSERS)["_class_name"])
+    model = cls(**fmt.diffusers_config(cfg))
     fit_fixed_widths(model, wl.theirs_state)
     model.load_state_dict(wl.theirs_state, strict=True)
     return model.eval()
@@ -38,14 +76,15 @@ def diffusers_model(wl: Workload) -> torch.nn.Module:
 def diffusers_inputs(wl: Workload, branch: str) -> dict:
     """Keyword inputs of the diffusers forward for one CFG branch (the latent and t added per call)."""
     host, _ = wl.pipe.conditions(wl.tensors, branch, False, wl.shape)
-    cfg = wl.family.config
-    if wl.family.key == "wan":
-        context = host["context"]  # diffusers attends to the zero padding as ours does (T3)
-        return {"encoder_hidden_states": torch.nn.functional.pad(
-            context, (0, 0, 0, cfg.text_len - context.shape[1]))}
-    return {"encoder_hidden_states": host["text"], "encoder_attention_mask": host["text_mask"],
-            "encoder_hidden_states_2": host["byt5"], "encoder_attention_mask_2": host["byt5_mask"],
-            "image_embeds": torch.zeros(1, cfg.vision_len, cfg.vision_dim)}  # zeros: T2V (T22)
+    return DIFFUSERS_FAMILIES[wl.family.name].inputs(host, wl.family.config)
+
+
+def cond_zeros(wl: Workload) -> torch.Tensor | None:
+    """The [cond | mask] channels (zeros: T2V) that the family's diffusers model reads after
+    the noise, or None where it reads the noise alone."""
+    if not DIFFUSERS_FAMILIES[wl.family.name].cond_channels:
+        return None
+    return torch.zeros(1, wl.family.config.in_channels + 1, *wl.shape[2:])
 
 
 def their_counter(wl: Workload, model) -> BlockCounter:
@@ -68,13 +107,12 @@ def denoise_diffusers(wl: Workload, model) -> tuple[torch.Tensor, float, float]:
     conds = {b: diffusers_inputs(wl, b) for b in ("cond", "uncond")}
     lincomb, g = folding(_lincomb), wl.guidance
     x = wl.noise
-    hy = wl.family.key == "hunyuan"
-    zeros = torch.zeros(1, wl.family.config.in_channels + 1, *wl.shape[2:]) if hy else None
+    zeros = cond_zeros(wl)
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         for i, t in enumerate(scheduler.timesteps):
             tt = wl.pipe.timestep_input(t, wl.shape, False)
-            xin = torch.cat([x, zeros], dim=1) if hy else x  # HY reads [noise | cond | mask] (T17)
+            xin = x if zeros is None else torch.cat([x, zeros], dim=1)
             outs = {}
             for branch in ("cond", "uncond"):
                 with model.cache_context(branch, step_index=i, num_inference_steps=wl.steps,
@@ -91,9 +129,9 @@ def run_diffusers(wl: Workload, setup: Callable | None = None) -> Run:
     model = diffusers_model(wl)
     counter = their_counter(wl, model)
     with torch.no_grad():  # warm-up, before any cache hook sees a call
-        x = wl.noise
-        if wl.family.key == "hunyuan":
-            x = torch.cat([x, torch.zeros(1, wl.family.config.in_channels + 1, *wl.shape[2:])], 1)
+        x, zeros = wl.noise, cond_zeros(wl)
+        if zeros is not None:
+            x = torch.cat([x, zeros], 1)
         model(x, wl.pipe.timestep_input(999.0, wl.shape, False), **diffusers_inputs(wl, "cond"),
               return_dict=False)
     tracer = setup(model) if setup is not None else None
@@ -131,12 +169,8 @@ def adapter_setup(wl: Workload, settings: dict) -> Callable:
 
 
 def taylorseer_identifiers(wl: Workload) -> list[str]:
-    """Explicit module patterns: diffusers' defaults ('^blocks.*attn' under re.fullmatch) match
-    no Wan module ('blocks.0.attn1'), so with defaults TaylorSeer caches nothing on Wan."""
-    if wl.family.key == "wan":
-        return [r"blocks\.\d+\.attn1", r"blocks\.\d+\.attn2", r"blocks\.\d+\.ffn"]
-    return [r"transformer_blocks\.\d+\.attn", r"transformer_blocks\.\d+\.ff",
-            r"transformer_blocks\.\d+\.ff_context"]
+    """Explicit module patterns, the family's (DiffusersFamily.taylorseer)."""
+    return list(DIFFUSERS_FAMILIES[wl.family.name].taylorseer)
 
 
 def diffusers_hook(config_factory: Callable) -> Callable:

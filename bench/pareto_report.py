@@ -280,12 +280,12 @@ def plot(rows, fams, path) -> bool:
     order = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "uncached"))
     shades = [tab20(i) for i in (*range(0, 20, 2), *range(1, 20, 2))]
     for col, fam in enumerate(fams):
-        names = list(dict.fromkeys(r["method"] for r in rows if r["family"] == fam.key
+        names = list(dict.fromkeys(r["method"] for r in rows if r["family"] == fam.label
                                    and r["method"] != "uncached" and r["status"] == "ok"))
         for name in names:
             k = order.index(name)
             pts = sorted((r["computed_fraction"], r["cpu_s"], r["psnr_db"], r["impl"])
-                         for r in rows if r["family"] == fam.key and r["method"] == name
+                         for r in rows if r["family"] == fam.label and r["method"] == name
                          and r["status"] == "ok" and r["psnr_db"] != math.inf)
             if not pts:
                 continue
@@ -390,7 +390,7 @@ def plot_follow(rows, fams, path) -> bool:
         return False
     fig, axes = plt.subplots(1, len(fams), figsize=(7.5 * len(fams), 5), squeeze=False)
     for ax, fam in zip(axes[0], fams, strict=True):
-        done = [r for r in rows if r["family"] == fam.key and r["status"] == "ok"
+        done = [r for r in rows if r["family"] == fam.label and r["status"] == "ok"
                 and r.get("follow_foreground") is not None]
         for impl, style in (("ours", dict(marker="o", color="tab:blue")),
                             ("peers", dict(marker="s", color="tab:orange", fillstyle="none"))):

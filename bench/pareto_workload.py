@@ -16,13 +16,11 @@ from cache import (
     CMConfig,
 )
 from modules import hunyuan_video15, wan
-from modules.hunyuan_video15_format import to_diffusers as hunyuan_to_diffusers
-from modules.registry import build_model
-from modules.wan_format import to_diffusers as wan_to_diffusers
+from modules.registry import FAMILIES, build_model
 from sampling.pipelines import PIPELINES
 from sampling.run import make_sample, noise_for, sample_once, warm_up
 from sampling.schedulers import make_scheduler
-from sampling.stages import SignalPlan
+from sampling.stages import SignalPlan, check_remodulate
 from torch_backend.backend import TorchBackend
 
 SEED = 0  # noise and stage-1 tensors of the evaluated trajectory
@@ -54,11 +52,19 @@ INIT = ("smooth in t (bench/workload.py: Gaussian low-pass over the time embedde
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: its tiny-deep config and where its work can be counted."""
+    """One model family: its tiny-deep config and where its work can be counted. What a family
+    does differently is read off its record (and the registry's record of the same name), never
+    asked of its name: bench/pareto_peers.py's diffusers adapter is found by `name`."""
 
-    key: str
+    name: str  # the family's name in modules.registry ("wan", "hunyuan_video15"): its identity
+    # A label only ("wan", "hunyuan"), kept so that committed result files and command lines stay
+    # valid: the --families values, the result rows' family column (rows are matched to their
+    # family by it), file names (traces_hunyuan.json.gz, budget_profile_hunyuan.json) and page
+    # text. What a family does is found by `name`.
+    label: str
     title: str
     pipeline: str  # the tiny pipeline whose sampling defaults (solver, shift, CFG) we keep
+    trained_pipeline: str  # the pipeline of the tiny model trained here (issue 28)
     config: Any  # our model config (tiny-deep)
     size: tuple[int, int, int]  # (height, width, frames) of the clip
     blocks: str  # attribute of the block list: ours, diffusers'
@@ -77,28 +83,39 @@ class Family:
         from bench.fixtures.recipes import PROCEDURAL
         return self.recipe or PROCEDURAL
 
+    @property
+    def remodulates(self) -> bool:
+        """Whether remodulated reuse applies: the registry's model class has gates whose time
+        term its blocks share (sampling.stages.check_remodulate; the Wan2.2 family)."""
+        try:
+            check_remodulate(FAMILIES[self.name].model_cls)
+        except ValueError:
+            return False
+        return True
+
 
 def families(blocks: int, hy_blocks: int) -> dict[str, Family]:
+    """The random-weight families, by label (the --families values)."""
     wn = dataclasses.replace(wan.CONFIGS["wan-tiny-ti2v"], num_layers=blocks, dim=48, ffn_dim=96,
                              num_heads=4)
     hy = dataclasses.replace(hunyuan_video15.CONFIGS["hunyuanvideo-tiny"], num_layers=hy_blocks,
                              hidden_size=64, num_heads=4, rope_axes=(4, 6, 6))
-    return {
-        "wan": Family("wan", "Wan2.2 TI2V-5B-shaped (text-to-video, UniPC)", "wan-tiny-ti2v", wn,
-                      (256, 256, 17), "blocks", "blocks",
-                      ("self_attn.q", "cross_attn.q", "ffn.0"),
-                      ("attn1.to_q", "attn2.to_q", "ffn.net.0.proj"), "time_embedding"),
-        "hunyuan": Family("hunyuan", "HunyuanVideo-1.5-shaped (text-to-video, Euler)",
-                          "hunyuanvideo-tiny", hy, (128, 160, 17), "double_blocks",
-                          "transformer_blocks", ("img_attn_q", "img_mlp.fc1", "txt_mlp.fc1"),
-                          ("attn.to_q", "ff.net.0.proj", "ff_context.net.0.proj"), "time_in.mlp"),
-    }
+    # The tiny models trained here on procedural clips (issue 28, bench/fixtures): the family's
+    # pipeline in sampling/pipelines.py, whose committed checkpoint (`builtin`) is loaded by the
+    # same loader as a real checkpoint.
+    out = [
+        Family("wan", "wan", "Wan2.2 TI2V-5B-shaped (text-to-video, UniPC)", "wan-tiny-ti2v",
+               "wan-tiny-trained", wn, (256, 256, 17), "blocks", "blocks",
+               ("self_attn.q", "cross_attn.q", "ffn.0"),
+               ("attn1.to_q", "attn2.to_q", "ffn.net.0.proj"), "time_embedding"),
+        Family("hunyuan_video15", "hunyuan", "HunyuanVideo-1.5-shaped (text-to-video, Euler)",
+               "hunyuanvideo-tiny", "hunyuanvideo-tiny-trained", hy, (128, 160, 17),
+               "double_blocks", "transformer_blocks", ("img_attn_q", "img_mlp.fc1", "txt_mlp.fc1"),
+               ("attn.to_q", "ff.net.0.proj", "ff_context.net.0.proj"), "time_in.mlp"),
+    ]
+    return {fam.label: fam for fam in out}
 
 
-# The tiny models trained here on procedural clips (issue 28, bench/fixtures): the family's
-# pipeline in sampling/pipelines.py, whose committed checkpoint (`builtin`) is loaded by the same
-# loader as a real checkpoint.
-TRAINED = {"wan": "wan-tiny-trained", "hunyuan": "hunyuanvideo-tiny-trained"}
 FOLLOW_SEEDS = tuple(range(10, 34))  # held-out prompts of the prompt-following runs (none of
 # them is the evaluated draw or a calibration draw: SEED, CALIBRATION_SEED, BUDGET_SEEDS)
 
@@ -116,8 +133,8 @@ def trained_families(checkpoint: str | None = None) -> dict[str, Family]:
         from modules.checkpoint import load_model
         held = load_model(checkpoint, meta=True)[0]
         recipe = of_checkpoint(checkpoint)
-    for key, fam in families(1, 1).items():
-        name = TRAINED[key]
+    for label, fam in families(1, 1).items():
+        name = fam.trained_pipeline
         if name not in PIPELINES:
             continue
         pipe = PIPELINES[name]
@@ -126,13 +143,13 @@ def trained_families(checkpoint: str | None = None) -> dict[str, Family]:
             if type(held.config) is not type(pipe.config):
                 continue
             size = (recipe.overrides or {}).get("size", pipe.size)
-            out[key] = dataclasses.replace(
+            out[label] = dataclasses.replace(
                 fam, title=f"{title}, trained ({checkpoint}, {held.config.num_layers} blocks, "
                            f"{recipe.name} recipe)",
                 pipeline=name, config=held.config, size=size, trained=True,
                 checkpoint=str(checkpoint), recipe=recipe)
             continue
-        out[key] = dataclasses.replace(
+        out[label] = dataclasses.replace(
             fam, title=f"{title}, trained here ({pipe.builtin}, {pipe.config.num_layers} blocks)",
             pipeline=name, config=pipe.config, size=pipe.size, trained=True)
     return out
@@ -207,7 +224,7 @@ def build_workload(family: Family, steps: int | None = None) -> Workload:
     else:
         torch.manual_seed(0)
         model = smooth_in_t(build_model(family.config)).eval()
-    convert = wan_to_diffusers if family.key == "wan" else hunyuan_to_diffusers
+    convert = FAMILIES[family.name].format.to_diffusers  # the registry's diffusers key mapping
     shape = pipe.latent_shape(*pipe.size)
     return Workload(family, pipe, model, convert(model.state_dict()),
                     draw_tensors(family, pipe, shape, SEED), shape, steps or pipe.steps,

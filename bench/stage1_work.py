@@ -125,7 +125,7 @@ def vae_key(spec_name: str, frames: int, height: int, width: int) -> str:
     return f"{spec_name} {frames}x{height}x{width}"
 
 
-# the pipelines whose stage 1 `stage1_work` models, by family
+# the pipelines whose stage 1 `stage1_work` models, by family (modules.registry's name)
 STAGE1_TASKS = {"wan": ("t2v", "ti2v", "i2v", "s2v"), "hunyuan_video15": ("t2v", "i2v")}
 
 
@@ -134,6 +134,43 @@ class Work:
     what: str
     flops: float
     rate: str  # key of the host measurement's rates
+
+
+def _wan_work(pipe, prompts: int, height: int, width: int, frames: int,
+              vae_flops: Callable[[str, int, int, int], float]) -> list[Work]:
+    """umT5-XXL on the prompts; I2V-A14B's condition video through the Wan2.1 VAE encoder; S2V's
+    speech (the clip's seconds) through wav2vec2 and its reference image through that encoder."""
+    tokens = pipe.config.text_len
+    work = [Work(f"umT5-XXL bf16, {prompts} x {tokens} tokens", prompts * umt5_flops(tokens),
+                 "umt5")]
+    if pipe.task == "i2v":
+        work.append(Work(f"Wan2.1 VAE encoder fp32, {frames} x {height} x {width}",
+                         vae_flops(I2V_VAE, frames, height, width), "vae"))
+    if pipe.task == "s2v":
+        seconds = frames / pipe.fps
+        work += [Work(f"wav2vec2-large fp32, {seconds:g} s of speech", wav2vec2_flops(seconds),
+                      "wav2vec2"),
+                 Work(f"Wan2.1 VAE encoder fp32, the reference image, 1 x {height} x {width}",
+                      vae_flops(I2V_VAE, 1, height, width), "vae")]
+    return work
+
+
+def _hunyuan_work(pipe, prompts: int, height: int, width: int, frames: int,
+                  vae_flops: Callable[[str, int, int, int], float]) -> list[Work]:
+    """The Qwen2.5-VL-7B text decoder on the prompts; I2V's image through SigLIP and the
+    HunyuanVideo-1.5 VAE encoder."""
+    tokens = pipe.config.text_len + QWEN_CROP
+    work = [Work(f"Qwen2.5-VL-7B text bf16, {prompts} x {tokens} tokens (no quoted text: "
+                 "no ByT5)", prompts * qwen_flops(tokens), "qwen")]
+    if pipe.task == "i2v":
+        work += [Work("SigLIP so400m bf16, 1 image", siglip_flops(), "siglip"),
+                 Work(f"HunyuanVideo-1.5 VAE encoder fp32, 1 x {height} x {width}",
+                      vae_flops(HY_VAE, 1, height, width), "hy_vae")]
+    return work
+
+
+# family (modules.registry's name) -> what its stage 1 computes for one of STAGE1_TASKS' tasks
+STAGE1_WORK = {"wan": _wan_work, "hunyuan_video15": _hunyuan_work}
 
 
 def stage1_work(report: dict, vae_flops: Callable[[str, int, int, int], float]) -> list[Work]:
@@ -146,29 +183,8 @@ def stage1_work(report: dict, vae_flops: Callable[[str, int, int, int], float]) 
     guidance = pipe.guidance if isinstance(pipe.guidance, tuple) else (pipe.guidance,)
     prompts = 2 if any(g != 1 for g in guidance) else 1
     height, width, frames = report["size"]
-    if pipe.family == "wan" and pipe.task in STAGE1_TASKS["wan"]:
-        tokens = pipe.config.text_len
-        work = [Work(f"umT5-XXL bf16, {prompts} x {tokens} tokens", prompts * umt5_flops(tokens),
-                     "umt5")]
-        if pipe.task == "i2v":
-            work.append(Work(f"Wan2.1 VAE encoder fp32, {frames} x {height} x {width}",
-                             vae_flops(I2V_VAE, frames, height, width), "vae"))
-        if pipe.task == "s2v":
-            seconds = frames / pipe.fps
-            work += [Work(f"wav2vec2-large fp32, {seconds:g} s of speech", wav2vec2_flops(seconds),
-                          "wav2vec2"),
-                     Work(f"Wan2.1 VAE encoder fp32, the reference image, 1 x {height} x {width}",
-                          vae_flops(I2V_VAE, 1, height, width), "vae")]
-        return work
-    if pipe.family == "hunyuan_video15" and pipe.task in STAGE1_TASKS["hunyuan_video15"]:
-        tokens = pipe.config.text_len + QWEN_CROP
-        work = [Work(f"Qwen2.5-VL-7B text bf16, {prompts} x {tokens} tokens (no quoted text: "
-                     "no ByT5)", prompts * qwen_flops(tokens), "qwen")]
-        if pipe.task == "i2v":
-            work += [Work("SigLIP so400m bf16, 1 image", siglip_flops(), "siglip"),
-                     Work(f"HunyuanVideo-1.5 VAE encoder fp32, 1 x {height} x {width}",
-                          vae_flops(HY_VAE, 1, height, width), "hy_vae")]
-        return work
+    if pipe.task in STAGE1_TASKS.get(pipe.family, ()):
+        return STAGE1_WORK[pipe.family](pipe, prompts, height, width, frames, vae_flops)
     raise ValueError(f"{report['model']} ({pipe.family} {pipe.task}): no stage-1 work model; "
                      f"expected one of {STAGE1_TASKS}")
 

@@ -318,7 +318,7 @@ def _pareto_rows():
 def _pareto_notes(rows, unseen_error=0.0012):
     from types import SimpleNamespace
 
-    fams = [SimpleNamespace(key="wan", title="W", config=SimpleNamespace(num_layers=30, dim=48))]
+    fams = [SimpleNamespace(label="wan", title="W", config=SimpleNamespace(num_layers=30, dim=48))]
     facts = {"wan": {"steps": 50, "spread": 0.04, "blocks": 30, "tokens": 320,
                      "budget_unseen": [{"kind": "rel_err", "target": 0.002, "rel_l2": unseen_error,
                                         "computed": 0.4, "seed": 4}]}}
