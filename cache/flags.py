@@ -66,7 +66,8 @@ class CacheFlags:
     evaluation_order: tuple[str, ...] | None = None
     max_cached: int | None = None
     max_continuous: int | None = None
-    teacache_limits: tuple[tuple[str, int], ...] | None = None  # (name, cap) pairs
+    # {max_cached, max_continuous: cap}; a dict, as a batch's request ids have always hashed it
+    teacache_limits: dict[str, int] | None = None
     alternating: bool | None = None
     fn_blocks: int | None = None
     bn_blocks: int | None = None
@@ -234,7 +235,7 @@ def _config_of(flags: CacheFlags, fields: dict | None = None) -> CMConfig:
         techniques[name] = classes[name](**{**preset.get(name, {}), **given}) if on[name] else None
 
     limit_values = dict(preset.get("limits", {}))
-    limit_values.update(dict(flags.teacache_limits or ()))
+    limit_values.update(flags.teacache_limits or {})
     limit_values.update(_given(max_cached=flags.max_cached, max_continuous=flags.max_continuous))
     # cache-dit's convention, which users bring along: a negative cap means no cap.
     limit_values = {k: (None if isinstance(v, int) and not isinstance(v, bool) and v < 0 else v)

@@ -50,7 +50,7 @@ def _ids(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def _limits(text: str) -> tuple[tuple[str, int], ...]:
+def _limits(text: str) -> dict[str, int]:
     """Seed 002's --teacache_limits 'max_cached=N,max_continuous=M'."""
     out = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -59,7 +59,7 @@ def _limits(text: str) -> tuple[tuple[str, int], ...]:
             raise argparse.ArgumentTypeError(
                 f"expected max_cached=<int>,max_continuous=<int>, got {text!r}")
         out[key] = int(value)
-    return tuple(out.items())
+    return out
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:

@@ -112,3 +112,17 @@ def test_a_request_is_built_from_the_flags_given():
                                                                                    "p", "p")
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.sample.seed = 4
+
+
+def test_a_requests_flags_are_the_namespaces_so_batch_ids_hold():
+    """A batch's request ids hash the flags (commands.resume.request_id): the typed request's
+    flags are the command line's own values, appended aliases and --teacache_limits included."""
+    from commands import generate
+
+    args = generate.build_parser().parse_args(
+        ["--prompt", "p", "--teacache", "--teacache_limits", "max_cached=3,max_continuous=2",
+         "--cache_warmup", "2", "--fb_warmup", "2", "--bn_ids", "0,1"])
+    flags = leaves(generate.request_of(args))
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items()
+             if k not in SHELL}
+    assert flags == given
