@@ -38,11 +38,11 @@ def versions(names=("diffusers", "cache_dit")) -> str:
     return ", ".join(out)
 
 
-def command_line(script: str, args, defaults: dict) -> str:
-    """`python bench/<script>` with the run's flags that differ from `defaults`: what reproduces it."""
+def command_line(module: str, args, defaults: dict) -> str:
+    """`python -m <module>` with the run's flags that differ from `defaults`: what reproduces it."""
     flags = "".join(f" --{k} {shlex.quote(str(getattr(args, k)))}" for k, v in defaults.items()
                     if getattr(args, k) != v)
-    return f"python bench/{script}{flags}"
+    return f"python -m {module}{flags}"
 
 
 def trained_step(weights: str) -> int | None:

@@ -39,7 +39,7 @@ def smooth_in_t(model: torch.nn.Module, period: float = 300.0, modulation_gain: 
 # smooth_in_t settings for models whose TeaCache signal moves on different scales (issue 16):
 # the median per-step rel of the block-0 modulated input is ~1e-3 at the benchmark setting, and
 # differs by 100x or more between `quiet` (slower t-dependence, weaker modulation) and `loud`
-# (faster, stronger); bench/presets.py prints the measured value for each.
+# (faster, stronger); bench/studies/presets.py prints the measured value for each.
 SIGNAL_SCALES = {
     "quiet": dict(period=3000.0, modulation_gain=0.3),
     "benchmark": dict(period=300.0, modulation_gain=3.0),

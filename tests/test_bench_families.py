@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import stage1_work as s1
 from bench.fixtures import families as F
+from bench.tpu_pages import stage1_work as s1
 from modules import registry
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -25,8 +25,8 @@ def test_each_table_is_keyed_by_the_registrys_family_names():
 
 def test_the_pareto_families_are_named_as_the_registry_names_them():
     pytest.importorskip("diffusers")
-    from bench import pareto_peers as peers
-    from bench import pareto_workload as pw
+    from bench.pareto import peers
+    from bench.pareto import workload as pw
 
     fams = pw.families(1, 1)
     # selected by label (the --families values, file names, result rows); named as the registry

@@ -1,6 +1,6 @@
-"""The results pages bench/taylorseer_gap.py, bench/sp_scaling.py, bench/presets.py and
-bench/load.py write, bench/pareto_report.py's random-weight notes and bench/tpu_aot.py's
-section on where the collectives run: every figure on them
+"""The results pages bench/studies/taylorseer_gap.py, bench/studies/sp_scaling.py,
+bench/studies/presets.py and bench/tpu_pages/load.py write, bench/pareto/report.py's random-weight
+notes and bench/tpu_pages/aot.py's section on where the collectives run: every figure on them
 comes from the rows given, and the readings follow the rows (a different set of rows reads
 differently)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import taylorseer_gap as tg
 from bench.page import trained_step, write_page, write_section
+from bench.studies import taylorseer_gap as tg
 from sampling import budget_space
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ BASE = {(1, 0, False): 45.0, (1, 0, True): 45.3, (1, 1, False): 46.0, (1, 1, Tru
 
 
 def _page(rows, agreement=137.31, step=123):
-    return tg.page(rows, agreement, cmd="python bench/taylorseer_gap.py --prompts 2", prompts=2,
+    return tg.page(rows, agreement, cmd="python -m bench.studies.taylorseer_gap --prompts 2", prompts=2,
                    steps=50, weights="assets/x", step=step)
 
 
@@ -50,7 +50,7 @@ def test_taylorseer_page_from_rows(tmp_path):
     rows = _ts_rows(BASE)
     lines = _page(rows)
     text = "\n".join(lines)
-    assert "Reproduce: `python bench/taylorseer_gap.py --prompts 2` (2 held-out prompts" in text
+    assert "Reproduce: `python -m bench.studies.taylorseer_gap --prompts 2` (2 held-out prompts" in text
     assert "trained weights: assets/x at step 123" in text
     assert "our uncached run against diffusers' uncached run: 137.3 dB" in text  # computed, printed
     for r in rows:
@@ -98,7 +98,7 @@ def test_sp_scaling_page(tmp_path):
         import argparse
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from bench import sp_scaling as s
+        from bench.studies import sp_scaling as s
         from bench.page import write_page
         rows = [{{"sp": 1, "uncached": 0.05, "cached": 0.04, "full": 0, "cached_call": 0}},
                 {{"sp": 8, "uncached": 0.2, "cached": 0.08, "full": 256, "cached_call": 24}}]
@@ -108,11 +108,11 @@ def test_sp_scaling_page(tmp_path):
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300,
                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
     text = out.read_text()
-    assert "Command: `python bench/sp_scaling.py --steps 6`." in text
+    assert "Command: `python -m bench.studies.sp_scaling --steps 6`." in text
     # the flags as the run had them (tests/sp_jax_check.py, imported by the bench, adds its own)
     assert "8 emulated CPU devices (--xla_force_host_platform_device_count=8" in text
     assert "), jax " in text
-    assert "cores visible" in text  # the machine line of bench/pareto_report.py
+    assert "cores visible" in text  # the machine line of bench/pareto/report.py
     lines = text.splitlines()
     table = lines[lines.index("```") + 1:]
     assert table[0] == "TITLE"
@@ -121,11 +121,11 @@ def test_sp_scaling_page(tmp_path):
     assert table[4].startswith("(a step is two calls with CFG") and table[5] == "```"
 
 
-# --- bench/presets.py: one section per mode, readings from the rows ------------------------------
+# --- bench/studies/presets.py: one section per mode, readings from the rows ------------------------------
 
 def _preset_model(title, family, signal, calls, psnr, attributes=()):
-    """A model's record as bench/presets.py keeps it: calls[p] and psnr[p] per preset."""
-    from bench import presets as ps
+    """A model's record as bench/studies/presets.py keeps it: calls[p] and psnr[p] per preset."""
+    from bench.studies import presets as ps
     runs = {"reference": {"calls": 1.0, "blocks": 1.0, "wall": 1.0, "signal": signal,
                           **dict.fromkeys(attributes, 1.0)}}
     for name in ("balanced", "hybrid", "safe", "turbo"):
@@ -150,12 +150,12 @@ def _flat(lines) -> str:
 
 
 def test_presets_random_section_from_rows():
-    from bench import presets as ps
+    from bench.studies import presets as ps
     models = _preset_models()
-    lines = ps.random_section(models, cmd="python bench/presets.py --steps 10", elapsed=12.0,
+    lines = ps.random_section(models, cmd="python -m bench.studies.presets --steps 10", elapsed=12.0,
                               loads=(1.5, 2.25), init="init: X", plot="presets_trace.png")
     text = _flat(lines)
-    assert "Reproduce: `python bench/presets.py --steps 10` (12 s;" in text
+    assert "Reproduce: `python -m bench.studies.presets --steps 10` (12 s;" in text
     assert "1-minute load average 1.50 at the start, 2.25 at the end" in text
     for m in models:  # the tables are the printed ones
         for line in ps.model_lines(m):
@@ -176,12 +176,12 @@ def test_presets_random_section_from_rows():
 
 
 def test_presets_trained_section_from_rows():
-    from bench import presets as ps
+    from bench.studies import presets as ps
     attrs = ("foreground", "shape")
     m = _preset_model("wan-tiny-trained", None, 4.3e-3,
                       {"safe": 0.57, "balanced": 0.42, "turbo": 0.20, "hybrid": 0.415},
                       {"safe": 65.6, "balanced": 59.7, "turbo": 35.2, "hybrid": 61.8}, attrs)
-    lines = ps.trained_section([m], cmd="python bench/presets.py --weights trained --checkpoint ck",
+    lines = ps.trained_section([m], cmd="python -m bench.studies.presets --weights trained --checkpoint ck",
                                elapsed=27.0, loads=(1, 1), init="weights: X", prompts=12,
                                weights=[("ck", 7)], checkpoint="ck")
     text = _flat(lines)
@@ -204,7 +204,7 @@ def test_presets_trained_section_from_rows():
 
 
 def test_presets_page_keeps_each_modes_section(tmp_path):
-    from bench import presets as ps
+    from bench.studies import presets as ps
     page = tmp_path / "presets.md"
     page.write_text("# typed by hand\n\nBefore (a table no run wrote)\n")
     models = _preset_models()
@@ -221,7 +221,7 @@ def test_presets_page_keeps_each_modes_section(tmp_path):
     section("trained", "again")
     text = page.read_text()
     assert "again" in text and "second" not in text and "first" in text and "third" in text
-    assert text.startswith("# bench/presets.py\n")
+    assert text.startswith("# bench/studies/presets.py\n")
     assert "- `safe`: TeaCache threshold 1.5 times the mean change so far (relative); every call " \
            "computes over the last 40 percent of the schedule; tail blocks always run: 2; forecast order 1 " \
            "of the reused residual; never two reuses in a row." in text
@@ -232,7 +232,7 @@ def test_presets_page_keeps_each_modes_section(tmp_path):
     assert "holds on 3 of 4 models" in page.read_text() and "again" in page.read_text()
 
 
-# --- bench/load.py ------------------------------------------------------------------------------
+# --- bench/tpu_pages/load.py ------------------------------------------------------------------------------
 
 def _load_rows(paths=("old", "new"), threads=8):
     rows = {"old": {"path": "old", "seconds": 41.5, "peak_rss": 13.31e9, "baseline_rss": 0.48e9,
@@ -243,18 +243,18 @@ def _load_rows(paths=("old", "new"), threads=8):
 
 
 def _load_section(rows, **kw):
-    from bench import load
-    args = dict(cmd="python bench/load.py", model="wan2.2-ti2v-5b", layers=None, size=10e9, shards=3,
-                host=10.3e9, hold="block", cache="cold", wrote_s=89.2, ram=24e9, loads=(3.0, 2.5),
+    from bench.tpu_pages import load
+    args = dict(cmd="python -m bench.tpu_pages.load", model="wan2.2-ti2v-5b", layers=None, size=10e9,
+                shards=3, host=10.3e9, hold="block", cache="cold", wrote_s=89.2, ram=24e9, loads=(3.0, 2.5),
                 date="2026-11-25")
     return load.section(rows, **{**args, **kw})
 
 
 def test_load_section_from_rows():
-    from bench import load
+    from bench.tpu_pages import load
     lines = _load_section(_load_rows())
     text = _flat(lines)
-    assert lines[0] == "## `python bench/load.py`"
+    assert lines[0] == "## `python -m bench.tpu_pages.load`"
     assert "wan2.2-ti2v-5b, 10.00 GB bf16 in 3 shards (written for this run in 89 s)." in text
     assert f"Machine: {os.cpu_count()} CPUs, 24.0 GB RAM, jax 0.10.2 on CPU, 2026-11-25;" in text
     assert "old       41.5   13.31 GB     0.48 GB   10.00 GB    12.38 GB       1.33" in lines
@@ -276,26 +276,27 @@ def test_load_section_from_rows():
     text = _flat(_load_section(_load_rows(("old",)), hold="all"))
     assert "10.30 GB with the fp32 islands" in text and "above the process" not in text
     assert load.command(argparse.Namespace(**{**load.DEFAULTS, "cache": "warm", "threads": 1})) == \
-        "python bench/load.py --cache warm --threads 1"
+        "python -m bench.tpu_pages.load --cache warm --threads 1"
 
 
 def test_load_page_keeps_each_variants_section(tmp_path):
-    from bench import load
+    from bench.tpu_pages import load
     page = tmp_path / "load.md"
-    variant = "python bench/load.py --cache warm"
+    variant = "python -m bench.tpu_pages.load --cache warm"
     write_section(str(page), variant, _load_section(_load_rows(), cmd=variant, cache="warm"),
                   load.head(), load._rank)
-    write_section(str(page), "python bench/load.py", _load_section(_load_rows()), load.head(), load._rank)
+    write_section(str(page), "python -m bench.tpu_pages.load", _load_section(_load_rows()), load.head(),
+                  load._rank)
     text = page.read_text()
-    assert text.startswith("# bench/load.py\n") and "shards of at most 4 GiB" in _flat([text])
-    assert text.index("## `python bench/load.py`") < text.index(f"## `{variant}`")  # default first
+    assert text.startswith("# bench/tpu_pages/load.py\n") and "shards of at most 4 GiB" in _flat([text])
+    assert text.index("## `python -m bench.tpu_pages.load`") < text.index(f"## `{variant}`")  # default first
     assert "10.3 GB" not in text and "MALLOC" not in text
 
 
-# --- bench/pareto_report.py: the random-weight page's notes -----------------------------------
+# --- bench/pareto/report.py: the random-weight page's notes -----------------------------------
 
 def _pareto_rows():
-    from bench import pareto_report as rp
+    from bench.pareto import report as rp
 
     def r(method, impl, setting, computed, psnr, rel_l2=1e-3):
         out = rp.row("wan", method, impl, setting)
@@ -322,7 +323,7 @@ def _pareto_notes(rows, unseen_error=0.0012):
     facts = {"wan": {"steps": 50, "spread": 0.04, "blocks": 30, "tokens": 320,
                      "budget_unseen": [{"kind": "rel_err", "target": 0.002, "rel_l2": unseen_error,
                                         "computed": 0.4, "seed": 4}]}}
-    from bench.pareto_page import notes
+    from bench.pareto.page import notes
     return notes(rows, fams, facts)
 
 
@@ -354,10 +355,10 @@ def test_pareto_notes_from_rows():
     assert "at most 0.50 of its budget" in text  # now the point's own 0.001 / 0.002
 
 
-# --- bench/tpu_aot.py: where the collectives run, from a report's placement ----------------------
+# --- bench/tpu_pages/aot.py: where the collectives run, from a report's placement ----------------------
 
 def test_tpu_aot_placement_section_from_reports(tmp_path, monkeypatch):
-    from bench import tpu_aot as ta
+    from bench.tpu_pages import aot as ta
     from tpu.hlo import CollectiveOp
     from tpu.placement import placement
 
@@ -387,7 +388,7 @@ def test_tpu_aot_placement_section_from_reports(tmp_path, monkeypatch):
 
 
 def test_tpu_aot_names_how_each_row_compiled(tmp_path, monkeypatch):
-    from bench import tpu_aot as ta
+    from bench.tpu_pages import aot as ta
 
     record = {"date": "2026-11-29", "cores": 2, "load_start": 0.13, "load_end": 1.96}
     (tmp_path / "new.json").write_text(json.dumps({ta.COMPILED: record}))
@@ -400,10 +401,10 @@ def test_tpu_aot_names_how_each_row_compiled(tmp_path, monkeypatch):
 
 
 def test_calibration_cost_counts_runs_worth_references_and_floors():
-    """bench/calibration_cost.py (issue 60): a configuration run is worth its computed
+    """bench/studies/calibration_cost.py (issue 60): a configuration run is worth its computed
     fraction, every draw its uncached reference, and bf16 floors range from the calibration
     draws' (and the chaotic draws') to one per further draw."""
-    from bench.calibration_cost import page_cost, per_draw
+    from bench.studies.calibration_cost import page_cost, per_draw
     block = {"seeds": [1, 2, 3], "screen_seeds": [34, 35], "confirm_seeds": [84],
              "chaotic": {"seeds": [36], "floor_rel_l2": [0.2]},
              "candidates": [
@@ -423,11 +424,11 @@ def test_calibration_cost_counts_runs_worth_references_and_floors():
 
 
 def test_the_replay_runs_no_block_and_reproduces_the_run_it_recorded():
-    """bench/calibration_proxy.py (issue 60): the record is one uncached run; replaying it with
+    """bench/studies/calibration_proxy.py (issue 60): the record is one uncached run; replaying it with
     every step computed gives that run back (to fp32 rounding of input + residual), and a static
     schedule's replay evaluates no block at all while its latents differ from the record."""
-    from bench import calibration_proxy as cp
-    from bench import pareto_workload as pw
+    from bench.pareto import workload as pw
+    from bench.studies import calibration_proxy as cp
     from cache import CMConfig
     from cache.flags import config_from_fields
     wl = pw.build_workload(pw.trained_families()["wan"], steps=6)
@@ -445,13 +446,13 @@ def test_the_replay_runs_no_block_and_reproduces_the_run_it_recorded():
 
 
 def test_cfg_reuse_bound_spends_the_calls_it_says_and_reproduces_the_uncached_run():
-    """bench/cfg_reuse_bound.py: the call schedules hold the counts they claim, the frequency
+    """bench/studies/cfg_reuse_bound.py: the call schedules hold the counts they claim, the frequency
     split is exact at its ends, and a schedule computing every step is the uncached run while
     one reusing the unconditional branch differs from it."""
     import torch
 
-    from bench import cfg_reuse_bound as cb
-    from bench import pareto_workload as pw
+    from bench.pareto import workload as pw
+    from bench.studies import cfg_reuse_bound as cb
     assert cb.evenly(50, 18)[0] == 0 and cb.evenly(50, 18)[-1] == 49 and len(cb.evenly(50, 18)) == 18
     c = cb.evenly(50, 24)
     u = cb.subset(c, 12)

@@ -1,4 +1,4 @@
-"""bench/fragile_prompts.py: the protected variant of a configuration computes its first steps,
+"""bench/studies/fragile_prompts.py: the protected variant of a configuration computes its first steps,
 and the configurations it studies are the ones the trained page's budgeted mode ran."""
 
 import csv
@@ -6,7 +6,7 @@ import csv
 import pytest
 import torch
 
-from bench import fragile_prompts as fp
+from bench.studies import fragile_prompts as fp
 from cache.flags import config_from_fields
 from sampling.budget_space import static_fields
 

@@ -15,7 +15,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import gpu, gpu_adapter, gpu_plan, gpu_verdicts
+from bench.gpu import adapter as gpu_adapter
+from bench.gpu import plan as gpu_plan
+from bench.gpu import run as gpu
+from bench.gpu import verdicts as gpu_verdicts
 from modules.registry import build_model
 from sampling.pipelines import get_pipeline
 
@@ -91,7 +94,7 @@ def test_the_adapter_phase_runs_our_gate_beside_diffusers_hook_in_one_pipeline(t
 
 
 def test_a_run_under_its_schedule_ideal_is_named():
-    from bench.gpu_page import _under
+    from bench.gpu.page import _under
     runs = {"none": {"wall_s": 1.0, "ideal": 1.0}, "deepcache": {"wall_s": 0.9, "ideal": 1.5},
             "teacache": {"wall_s": 0.5, "ideal": 2.0}}
     results = {"phases": {"jax": {"sizes": {"tiny": {"runs": runs}}}}}
@@ -161,7 +164,7 @@ def test_the_tracked_tree_stays_small_enough_to_travel_with_the_wheels():
 def test_a_timing_phase_cut_off_leaves_the_other_phases_figures_on_the_page(tiny):
     """The page from the tiny run's figures with the JAX phase timed out before its first size:
     the failure is named and the torch phase's table stays."""
-    from bench.gpu_page import lines
+    from bench.gpu.page import lines
     _, out = tiny
     results = json.loads((out / "gpu.json").read_text())
     results["phases"]["jax"] = {"error": "timed out after 230 s", "phase_s": 230.0}

@@ -101,8 +101,8 @@ def test_decisions_match_diffusers_magcache_hook():
 
     from diffusers.hooks import MagCacheConfig as TheirConfig
 
-    from bench import pareto_peers as peers
-    from bench import pareto_workload as pw
+    from bench.pareto import peers
+    from bench.pareto import workload as pw
 
     family = dataclasses.replace(pw.families(3, 3)["wan"], size=(64, 64, 5))
     wl = pw.build_workload(family, steps=10)

@@ -1,4 +1,4 @@
-"""bench/pareto.py's harness on a tiny config: the uncached runs of ours and of diffusers agree,
+"""bench.pareto's harness on a tiny config: the uncached runs of ours and of diffusers agree,
 and the block counting sees what really ran (a cached call runs fewer sub-layers)."""
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import torch
 
 pytest.importorskip("diffusers")
 
-from bench import pareto_peers as peers  # noqa: E402
-from bench import pareto_report as report
-from bench import pareto_workload as pw
+from bench.pareto import (
+    peers,  # noqa: E402
+    report,
+)
+from bench.pareto import workload as pw
 from cache import CMConfig, FBCacheConfig  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 
@@ -217,8 +219,9 @@ def test_mean_over_draws_is_each_draws_own_psnr_averaged():
 
 @pytest.mark.parametrize("count", [30, 60, 200])
 def test_budget_draws_never_meet_an_evaluated_draw(count):
-    # budgeted mode's calibration, screen and confirm draws (bench/pareto.py --confirm_draws) stay
-    # apart from every draw a page or bench/fragile_prompts.py --more (at most 20) evaluates it on
+    # budgeted mode's calibration, screen and confirm draws (python -m bench.pareto --confirm_draws)
+    # stay apart from every draw a page or python -m bench.studies.fragile_prompts --more (at most
+    # 20) evaluates it on
     tuned = set(pw.BUDGET_SEEDS) | set(pw.SCREEN_SEEDS) | set(pw.confirm_seeds(count))
     evaluated = (set(pw.UNSEEN_SEEDS) | set(pw.FOLLOW_SEEDS)
                  | set(range(pw.SCREEN_SEEDS[-1] + 1, pw.CONFIRM_FIRST)))
@@ -227,9 +230,9 @@ def test_budget_draws_never_meet_an_evaluated_draw(count):
 
 
 def test_a_pages_calibration_resumes_from_its_runs_file(tmp_path, monkeypatch):
-    # bench/pareto.py keeps its calibration's finished runs beside the page until the page is
+    # bench.pareto keeps its calibration's finished runs beside the page until the page is
     # written, so a page killed after hours of calibration resumes (sampling/calibration_runs.py)
-    from bench import pareto_budget
+    from bench.pareto import budget as pareto_budget
     from commands import calibrate
     from sampling import budget_space
     from tests.test_calibrate import SMALL_SPACE
@@ -250,7 +253,8 @@ def test_a_quick_page_says_it_is_no_result_and_shows_what_one_flag_gives(tmp_pat
     """The whole bench in quick mode on a 2-block random model (about 20 s): the page says it is
     not a result, carries the presets as a curve and the one-flag standing in both aggregations,
     and the promises of budgeted mode with their bounds."""
-    from bench import pareto, pareto_budget
+    from bench.pareto import budget as pareto_budget
+    from bench.pareto import run as pareto
     assert pareto_budget.SPEEDUPS["trained"] == pareto_budget.SPEEDUPS["random"]  # one grid
     assert pareto.main(["--quick", "--families", "wan", "--steps", "6", "--blocks", "2",
                         "--out", str(tmp_path)]) == 0
@@ -267,9 +271,9 @@ def test_a_quick_page_says_it_is_no_result_and_shows_what_one_flag_gives(tmp_pat
 
 
 def test_a_committed_page_reads_again_from_its_rows_under_todays_rules(tmp_path):
-    """bench/pareto_restand.py: results.csv back into rows reads as the page did (the same
+    """bench/pareto/restand.py: results.csv back into rows reads as the page did (the same
     standing where no rule changed), and the dropped speedup-2.75 row is no longer a point."""
-    from bench import pareto_restand as restand
+    from bench.pareto import restand
     path = os.path.join(restand.ROOT, "bench", "results", "pareto", "trained", "results.csv")
     rows = restand.read_rows(path)
     assert any(r["setting"].startswith("speedup 2.75:") for r in rows)

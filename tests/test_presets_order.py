@@ -1,12 +1,12 @@
 """The presets keep the order their names promise on models whose TeaCache signals move on
 scales 100x apart (issue 16): safe never less faithful than balanced, balanced never less than
 turbo. Small models of both families (8 blocks, 20 steps, torch backend) of bench/workload.py's
-quiet and loud settings; bench/presets.py prints the same on the 16-block, 50-step ones."""
+quiet and loud settings; bench/studies/presets.py prints the same on the 16-block, 50-step ones."""
 
 import pytest
 import torch
 
-from bench.presets import cases, measure, preset_config
+from bench.studies.presets import cases, measure, preset_config
 
 PRESETS = ("safe", "balanced", "turbo")
 

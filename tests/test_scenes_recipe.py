@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench import pareto_workload as pw
 from bench.fixtures import recipes, train
 from bench.fixtures import scenes as S
+from bench.pareto import workload as pw
 from cache import CMConfig
 
 
@@ -95,7 +95,7 @@ def test_a_scenes_model_trains_exports_and_runs_in_the_pareto_bench(tmp_path):
     assert prompt != pw.held_out_clip(10).prompt and prompt.split()[0] in S.COLORS
     ours = pw.over_prompts(wl, lambda w: pw.run_ours(w, CMConfig(), pw.our_counter(w)), (10, 11))
     assert set(ours.follow) == {"foreground", "background", "direction", "hits"}
-    from bench import pareto_peers as peers
+    from bench.pareto import peers
     from sampling.fidelity import fidelity
     theirs = peers.run_diffusers(wl)  # diffusers' Wan with 1x3x3 patches and 20 text positions
     mine = pw.run_ours(wl, CMConfig(), pw.our_counter(wl))

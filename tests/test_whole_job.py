@@ -1,12 +1,12 @@
-"""bench/whole_job.py's page from fake reports: every figure carries the kind it is made as, the
-totals are the sums of their parts, and the rows follow bench/tpu_aot.py's ROWS and DECODE_ROWS."""
+"""bench/tpu_pages/whole_job.py's page from fake reports: every figure carries the kind it is made as, the
+totals are the sums of their parts, and the rows follow bench/tpu_pages/aot.py's ROWS and DECODE_ROWS."""
 
 import json
 
 import pytest
 
-from bench import stage1_work as s1
-from bench import whole_job as wj
+from bench.tpu_pages import stage1_work as s1
+from bench.tpu_pages import whole_job as wj
 
 # 2 prompts x one umT5-XXL encode of 512 tokens, worked by hand: per layer
 # 2 * 512 * (4 * 4096 * 4096 + 3 * 4096 * 10240) + 4 * 512**2 * 4096 = 201,863,462,912; 24 layers
@@ -131,7 +131,7 @@ def test_figure_kinds_and_sums():
 def test_every_anchor_and_host_is_a_pipeline_and_slice_of_the_table():
     """An anchor or a host keyed otherwise than a row's `--model` and `--topology` is never shown
     beside a row (the v7x-8 anchor was keyed "v7x-8" before the table had v7x rows)."""
-    from bench.tpu_aot import ROWS
+    from bench.tpu_pages.aot import ROWS
     slices = {(args.split()[1], args.split()[3]) for _, args in ROWS}
     assert {(a.model, a.topology) for a in wj.ANCHORS} <= slices
     assert set(wj.HOSTS) <= {topology for _, topology in slices}
