@@ -191,10 +191,11 @@ def _fused_attention_check() -> dict:
 def phase_check(args) -> dict:
     import torch
 
-    from commands.stage2_backend import load_models
+    from commands.stage2_backend import load_models, make_backend
     from sampling.fidelity import fidelity
     from sampling.pipelines import get_pipeline
     from sampling.run import make_sample, sample_once
+    from sampling.run_spec import Launch
     from sampling.stages import SignalPlan
 
     pipe = get_pipeline(CHECK_MODEL)
@@ -215,7 +216,7 @@ def phase_check(args) -> dict:
 
     import jax
 
-    from tpu.backend import JaxBackend
+    import tpu.backend  # noqa: F401 - torchax imported on jax's default device, as it always was
     runs = {}
     # JAX first: the torch backend moves the models to its device in place. The default device
     # set globally, not by the jax.default_device context, which is thread-local: the weights
@@ -223,13 +224,15 @@ def phase_check(args) -> dict:
     for where, jax_device in (("cpu", jax.devices("cpu")[0]), (device, jax.devices()[0])):
         jax.config.update("jax_default_device", jax_device)
         with jax.default_matmul_precision("highest"):
-            runs[f"jax {where}"] = sample(JaxBackend(models, plan_))
+            # stage 2's JAX backend; this phase never used the persistent compile cache
+            runs[f"jax {where}"] = sample(make_backend(Launch(backend="jax", compile_cache_dir="none"),
+                                                       models, plan_))
     jax.config.update("jax_default_device", None)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    from torch_backend.backend import TorchBackend
     for where in ("cpu", device):
-        runs[f"torch {where}"] = sample(TorchBackend(models, plan_, where))
+        runs[f"torch {where}"] = sample(make_backend(Launch(backend="torch", device=where), models,
+                                                     plan_))
     out = {"model": CHECK_MODEL, "gate": "TeaCache (defaults)", "steps": steps,
            "tolerance": CHECK_TOL, "device": device}
     for backend in ("jax", "torch"):
@@ -260,6 +263,7 @@ def phase_jax(args) -> dict:
     from tpu.aot_backend import jax_dtype
     from tpu.backend import JaxBackend
 
+    # a subclass (weights drawn on the device), which make_backend cannot build: left as it is
     class RandomWeights(JaxBackend):
         """JaxBackend whose weights are drawn on the device from a seed (bench.gpu.torch_wan_step's
         recipe), not read from a checkpoint or the host."""
@@ -346,10 +350,11 @@ def phase_torch(args) -> dict:
     import torch
 
     from bench.gpu import torch_wan_step as tws
+    from commands.stage2_backend import make_backend
     from sampling.pipelines import get_pipeline
     from sampling.run import make_sample, sample_once
+    from sampling.run_spec import Launch
     from sampling.stages import SignalPlan
-    from torch_backend.backend import TorchBackend
 
     pipe = get_pipeline(TINY if args.tiny else REAL)
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -375,8 +380,8 @@ def phase_torch(args) -> dict:
         built = {}
         for mode, name in runs:
             config = cache_config(name, size.steps)
-            backend = TorchBackend({None: model}, SignalPlan.from_config(config), device=device,
-                                   compile=mode == "compiled")
+            launch = Launch(backend="torch", device=str(device), torch_compile=mode == "compiled")
+            backend = make_backend(launch, {None: model}, SignalPlan.from_config(config))
             built[mode, name] = (config, backend, make_sample(backend, pipe, setup["tensors"], shape,
                                                               image=False, seed=SEED))
         for r in range(size.rounds):

@@ -5,7 +5,8 @@ beside diffusers' WanTransformer3DModel on the same shapes and the same random b
         [--configs none,deepcache,teacache,fbcache,diffusers] [--image] [--compile] [--out PATH]
     python -m bench.gpu.torch_wan_step --device cpu --tiny --steps 4    # smoke test on wan-tiny-ti2v
 
-Ours: torch_backend.backend.TorchBackend (eager, or --compile) through sampling.run.sample_once
+Ours: TorchBackend as stage 2 builds it (commands.stage2_backend.make_backend; eager, or --compile)
+through sampling.run.sample_once
 (CFG on, guidance 5, UniPC, shift 5), one warm-up round of every program excluded (compiles
 happen there), a device sync after every step.
 Diffusers: two model calls per step (cond, uncond), the CFG combination and the same UniPC
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from cache import CMConfig, DeepCacheConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
+from commands.stage2_backend import make_backend  # noqa: E402
 from modules import ops  # noqa: E402
 from modules.checkpoint import cast_model  # noqa: E402
 from modules.registry import build_model  # noqa: E402
@@ -46,10 +48,10 @@ from modules.wan_format import diffusers_config as wan_diffusers_config  # noqa:
 from modules.wan_format import to_diffusers as wan_to_diffusers  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, noise_for, sample_once  # noqa: E402
+from sampling.run_spec import Launch  # noqa: E402
 from sampling.schedulers import make_scheduler  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 from sampling.units import GiB  # noqa: E402
-from torch_backend.backend import TorchBackend  # noqa: E402
 
 REAL, TINY = "wan2.2-ti2v-5b", "wan-tiny-ti2v"
 REAL_SIZE = (480, 832, 81)  # 480p class: 21 x 15 x 26 = 8190 tokens after VAE 4x16x16, patch 1x2x2
@@ -154,8 +156,8 @@ def sync(device: torch.device) -> None:
 def run_ours(model, label: str, config: CMConfig, setup: dict, args) -> Row:
     pipe, device = setup["pipe"], setup["device"]
     start_peak(device)
-    backend = TorchBackend({None: model}, SignalPlan.from_config(config), device=device,
-                           compile=args.compile)
+    launch = Launch(backend="torch", device=args.device, torch_compile=args.compile)
+    backend = make_backend(launch, {None: model}, SignalPlan.from_config(config))
     sample = make_sample(backend, pipe, setup["tensors"], setup["shape"], image=args.image,
                          seed=args.seed)
     traj = sample_once(backend, config, sample, solver=pipe.solver, steps=args.steps,

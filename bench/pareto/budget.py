@@ -11,6 +11,7 @@ from bench.pareto.report import write_json
 from bench.pareto.workload import (
     BUDGET_SEEDS,
     CONFIRM_SEEDS,
+    LAUNCH,
     SCREEN_SEEDS,
     SEED,
     UNSEEN_SEEDS,
@@ -18,8 +19,8 @@ from bench.pareto.workload import (
     run_ours,
 )
 from cache import CMConfig
+from commands.stage2_backend import make_backend
 from sampling.fidelity import fidelity
-from torch_backend.backend import TorchBackend
 
 # Final-latent rel L2 asked of budgeted mode. Trained weights move further between steps, so
 # the same caching errs more: on them the random-weight budgets are kept by no caching at all
@@ -51,7 +52,7 @@ def budget_profile(wl: Workload, path: str, confirm=CONFIRM_SEEDS, runs=None) ->
     from sampling.calibration_runs import RunMemo, identity
 
     def backend(plan):
-        return TorchBackend({None: wl.model}, plan)
+        return make_backend(LAUNCH, {None: wl.model}, plan)
 
     memo = None if runs is None else RunMemo(runs, identity(
         model_fingerprint(wl.model), model=wl.pipe.name, steps=wl.steps, solver=wl.pipe.solver,

@@ -84,6 +84,7 @@ from bench.pareto.workload import (  # noqa: E402
     CONFIRM_SEEDS,
     FOLLOW_SEEDS,
     INIT,
+    LAUNCH,
     SEED,
     Family,
     Workload,
@@ -104,12 +105,12 @@ from cache import (  # noqa: E402
     MagCacheConfig,
     TeaCacheConfig,
 )
+from commands.stage2_backend import make_backend  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
-from torch_backend.backend import TorchBackend  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "pareto")
 
@@ -120,7 +121,7 @@ def our_mag_ratios(wl: Workload) -> dict:
 
     draw = wl.reseeded(CALIBRATION_SEED)
     plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig()))
-    _, ratios = collect(TorchBackend({None: wl.model}, plan), wl.pipe, {draw.seed: draw.tensors},
+    _, ratios = collect(make_backend(LAUNCH, {None: wl.model}, plan), wl.pipe, {draw.seed: draw.tensors},
                         wl.shape, signal=None, steps=wl.steps, solver=wl.pipe.solver,
                         shift=wl.pipe.shift)
     return ratios

@@ -15,14 +15,18 @@ from bench.workload import smooth_in_t
 from cache import (
     CMConfig,
 )
+from commands.stage2_backend import make_backend
 from modules import hunyuan_video15, wan
 from modules.registry import FAMILIES, build_model
 from sampling.pipelines import PIPELINES
 from sampling.run import make_sample, noise_for, sample_once, warm_up
+from sampling.run_spec import Launch
 from sampling.schedulers import make_scheduler
 from sampling.stages import SignalPlan, check_remodulate
-from torch_backend.backend import TorchBackend
 
+# our runs' backend: stage 2's (commands.stage2_backend.make_backend) for --backend torch on this
+# CPU, eager
+LAUNCH = Launch(backend="torch", device="cpu")
 SEED = 0  # noise and stage-1 tensors of the evaluated trajectory
 CALIBRATION_SEED = 1  # MagCache calibrates on another draw (held out)
 BUDGET_SEEDS = (1, 2, 3)  # budgeted mode calibrates on these draws...
@@ -294,7 +298,7 @@ class Run:
 def run_ours(wl: Workload, config: CMConfig, counter: BlockCounter) -> Run:
     """One trajectory on our torch backend (eager), warmed up outside the count and the clock."""
     plan = SignalPlan.from_config(config)
-    backend = TorchBackend({None: wl.model}, plan)
+    backend = make_backend(LAUNCH, {None: wl.model}, plan)
     sample = make_sample(backend, wl.pipe, wl.tensors, wl.shape, image=False, seed=wl.seed)
     warm_up(backend, plan, make_scheduler(wl.pipe.solver, wl.steps, wl.pipe.shift), sample)
     counter.reset()

@@ -77,6 +77,7 @@ class ReplayBackend(TorchBackend):
 def run(wl, config: CMConfig, record=None):
     """(final latents, the record of every call's residual, block evaluations per call)."""
     plan = SignalPlan.from_config(config)
+    # a TorchBackend subclass (the middle replayed), which make_backend cannot build: left as it is
     backend = ReplayBackend({None: wl.model}, plan, record)
     sample = make_sample(backend, wl.pipe, wl.tensors, wl.shape, image=False, seed=wl.seed)
     traj = sample_once(backend, config, sample, solver=wl.pipe.solver, steps=wl.steps,

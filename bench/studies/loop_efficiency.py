@@ -27,6 +27,7 @@ import jax  # noqa: E402
 import torch  # noqa: E402
 
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
+from commands.stage2_backend import make_backend  # noqa: E402
 from modules.hunyuan_video15 import CONFIGS  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
@@ -35,8 +36,8 @@ from sampling.run import (  # noqa: E402
     make_sample,
     sample_once,
 )
+from sampling.run_spec import Launch  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
-from tpu.backend import JaxBackend  # noqa: E402
 
 
 def main():
@@ -59,7 +60,8 @@ def main():
     tensors = pipe.synthesize(shape, True, False, seed=0)
     dc = CMConfig(deepcache=DeepCacheConfig(start=11, end=45, interval=4))
     plan = SignalPlan.from_config(dc)
-    backend = JaxBackend({None: model}, plan)
+    # stage 2's JAX backend, without the persistent compile cache (as this bench always ran)
+    backend = make_backend(Launch(backend="jax", compile_cache_dir="none"), {None: model}, plan)
     sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0)
     common = dict(solver="euler", steps=args.steps, shift=5.0, step_sync=False)
 

@@ -42,12 +42,14 @@ from bench.workload import SIGNAL_SCALES, signal_scale, smooth_in_t  # noqa: E40
 from cache import CMConfig, DeepCacheConfig, TeaCacheConfig  # noqa: E402
 from cache.flags import config_of  # noqa: E402
 from cache.preset import PRESETS, load_preset  # noqa: E402
+from commands.stage2_backend import make_backend  # noqa: E402
 from modules import hunyuan_video15, wan  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.cache_cli import add_cache_arguments, cache_flags  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.pipelines import PIPELINES  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
+from sampling.run_spec import Launch  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,12 +97,11 @@ def calls_fraction(traj) -> float:
     return sum(r["action"] == "compute" for r in rows) / len(rows)
 
 
-def make_backend(kind, model, plan):
-    if kind == "torch":
-        from torch_backend.backend import TorchBackend
-        return TorchBackend({None: model}, plan)
-    from tpu.backend import JaxBackend
-    return JaxBackend({None: model}, plan)
+def backend_of(kind, model, plan):
+    """Stage 2's backend for --backend `kind` (commands.stage2_backend.make_backend): on this
+    CPU, without the persistent compile cache, as this bench always ran."""
+    return make_backend(Launch(backend=kind, device="cpu", compile_cache_dir="none"), {None: model},
+                        plan)
 
 
 def measure(pipe, cfg, scale, runs, *, steps, backend="jax", repeats=2):
@@ -113,7 +114,7 @@ def measure(pipe, cfg, scale, runs, *, steps, backend="jax", repeats=2):
     out, base = {}, None
     for name, config in {"reference": REFERENCE, **runs}.items():
         plan = SignalPlan.from_config(config)
-        be = make_backend(backend, model, plan)
+        be = backend_of(backend, model, plan)
         sample = make_sample(be, pipe, tensors, shape, image=False, seed=0)
         best = None
         for _ in range(repeats):  # best of `repeats`, after warm-up
@@ -153,7 +154,7 @@ def measure_trained(pipe, runs, *, steps, backend="jax", prompts=12, checkpoint=
     out, base = {}, None
     for name, config in {"reference": REFERENCE, **runs}.items():
         plan = SignalPlan.from_config(config)
-        be = make_backend(backend, model, plan)
+        be = backend_of(backend, model, plan)
         latents, hits, calls, blocks, wall = [], [], [], [], 0.0
         for k, seed in enumerate(seeds):
             sample = make_sample(be, pipe, draws[seed], shape, image=False, seed=seed)

@@ -38,14 +38,15 @@ import torch  # noqa: E402
 from bench.studies.presets import blocks_fraction, deeper_pipeline  # noqa: E402
 from bench.workload import smooth_in_t  # noqa: E402
 from cache import CMConfig, FBCacheConfig, TeaCacheConfig  # noqa: E402
+from commands.stage2_backend import make_backend  # noqa: E402
 from modules import wan_s2v  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.clips import sample_clips  # noqa: E402
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
+from sampling.run_spec import Launch  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
-from torch_backend.backend import TorchBackend  # noqa: E402
 
 GUARD = 0.05  # relative L1 change of a clip's audio features that forces a compute
 REVISED_CLIP, REVISED_STEP = 1, 16
@@ -78,7 +79,8 @@ def workload(blocks: int, clips: int):
 
 
 def run(model, pipe, shape, tensors, config, steps, updates):
-    backend = TorchBackend({None: model}, SignalPlan.from_config(config))
+    backend = make_backend(Launch(backend="torch", device="cpu"), {None: model},
+                           SignalPlan.from_config(config))
     began = time.perf_counter()
     clips = sample_clips(backend, config, pipe, tensors, shape, seed=0, solver=pipe.solver,
                          steps=steps, shift=pipe.shift, audio_updates=updates)

@@ -30,13 +30,14 @@ import torch  # noqa: E402
 from bench.page import command_line, machine, write_page  # noqa: E402
 from bench.studies.presets import deeper_pipeline  # noqa: E402
 from cache import CMConfig, DeepCacheConfig  # noqa: E402
+from commands.stage2_backend import make_backend  # noqa: E402
 from modules import hunyuan_video15  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.run import make_sample, sample_once  # noqa: E402
+from sampling.run_spec import Launch  # noqa: E402
 from sampling.stages import SignalPlan  # noqa: E402
-from sharding.jax_sp import SIGNAL_PSUMS_PER_PROBE, make_mesh  # noqa: E402
+from sharding.jax_sp import SIGNAL_PSUMS_PER_PROBE  # noqa: E402
 from tests.sp_jax_check import collectives  # noqa: E402
-from tpu.backend import JaxBackend  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "sp_scaling.md")
 DEFAULTS = {"steps": 24, "blocks": 12, "frames": 9}
@@ -125,10 +126,12 @@ def main(argv=None) -> int:
     print(table_header())
     rows = []
     for sp in (1, 2, 4, 8):
-        mesh = None if sp == 1 else make_mesh(sp, 1)
+        # stage 2's JAX backend at --sp_size sp (mesh: sharding.jax_sp.make_mesh(sp, 1), none at
+        # sp 1), without the persistent compile cache, as this bench always ran
+        launch = Launch(backend="jax", sp_size=sp, compile_cache_dir="none")
         times, counts = {}, None
         for name, config in (("uncached", CMConfig()), ("cached", cached)):
-            backend = JaxBackend({None: model}, SignalPlan.from_config(cached), mesh=mesh)
+            backend = make_backend(launch, {None: model}, SignalPlan.from_config(cached))
             sample = make_sample(backend, pipe, tensors, shape, image=False, seed=0)
             # step_sync: with async dispatch, programs with collectives in flight at once
             # deadlocked XLA's CPU rendezvous at sp=8 on this 2-core machine (emulation only)

@@ -31,6 +31,7 @@ from bench.pareto.report import mean_psnr  # noqa: E402
 from bench.pareto.workload import (  # noqa: E402
     BUDGET_SEEDS,
     FOLLOW_SEEDS,
+    LAUNCH,
     build_workload,
     our_counter,
     over_prompts,
@@ -39,13 +40,13 @@ from bench.pareto.workload import (  # noqa: E402
 )
 from cache import CMConfig  # noqa: E402
 from cache.flags import config_from_fields  # noqa: E402
+from commands.stage2_backend import make_backend  # noqa: E402
 from sampling import (
     budget,  # noqa: E402
     budget_space,
 )
 from sampling.fidelity import fidelity  # noqa: E402
 from sampling.run import noise_for  # noqa: E402
-from torch_backend.backend import TorchBackend  # noqa: E402
 
 SPEEDUPS = (2.5, 3.0, 4.0)
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results",
@@ -71,7 +72,7 @@ def family_rows(family, prompts: int) -> tuple[list[str], dict]:
     schedules = budget_space.run_static_schedules(wl.pipe.solver, steps, wl.pipe.shift)
     began = time.perf_counter()
     draws = {seed: wl.reseeded(seed).tensors for seed in BUDGET_SEEDS}
-    once = runner(lambda plan: TorchBackend({None: wl.model}, plan), wl.pipe, wl.shape,
+    once = runner(lambda plan: make_backend(LAUNCH, {None: wl.model}, plan), wl.pipe, wl.shape,
                   steps=steps, solver=wl.pipe.solver, shift=wl.pipe.shift)
     candidates = measure_space(once, draws, space=schedules)
     block = {"candidates": candidates}
