@@ -68,7 +68,7 @@ confirm draw, that draw's floor is measured (once): over CHAOS x the median floo
 calibration draws, the draw is chaotic and set aside for every configuration (out of
 screen_seeds / confirm_seeds and their runs; its seed and floor in "chaotic", the baseline in
 "floor_baseline"). A budget then promises its error on draws that are not chaotic; the fragile
-page counts misses off chaotic draws apart for the same reason (bench/fragile_prompts.py).
+page counts misses off chaotic draws apart for the same reason (bench/studies/fragile_prompts.py).
 """
 
 from __future__ import annotations
