@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, choices=sorted(PIPELINES),
                    help="the pipeline whose VAE decodes (its released architecture)")
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v6e:2x4 (v6e-8)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",  # as the DiT's
+    # the decoder's compile is planned for fp32 and bf16 (stage 3 also takes fp16)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="VAE weights and compute (stage 3's --dtype)")
     p.add_argument("--height", default=None, help="video height (default: the pipeline's)")
     p.add_argument("--width", default=None, help="video width (default: the pipeline's)")
