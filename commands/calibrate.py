@@ -204,7 +204,8 @@ def calibrate(spec: Calibration) -> dict:
     pipe, steps = spec.pipe, spec.steps
     models = load_models(pipe, spec.model_path, torch.float32)
     plan = SignalPlan.from_config(CMConfig(teacache=TeaCacheConfig(signal=spec.signal)))
-    backend = make_backend(Launch(backend=spec.backend), models, plan)
+    launch = Launch(backend=spec.backend)
+    backend = make_backend(launch, models, plan)
     shape = pipe.latent_shape(*pipe.size)
     seeds = range(spec.first_seed, spec.first_seed + spec.samples)
     tensors = {seed: pipe.synthesize(shape, True, pipe.task == "i2v", seed) for seed in seeds}
@@ -223,8 +224,8 @@ def calibrate(spec: Calibration) -> dict:
         source=f"commands.calibrate: {pipe.name}, {spec.samples} samples x {steps} steps "
                f"({pipe.solver}, shift {pipe.shift}), {datetime.date.today()}")
     if spec.budget:
-        once = runner(lambda plan: make_backend(Launch(backend=spec.backend), models, plan), pipe,
-                      shape, steps=steps, solver=pipe.solver, shift=pipe.shift)
+        once = runner(lambda plan: make_backend(launch, models, plan), pipe, shape, steps=steps,
+                      solver=pipe.solver, shift=pipe.shift)
         candidates = calibration.measure_space(
             once, tensors, space=budget_space.space(pipe.solver, steps, pipe.shift),
             log=lambda line: print(line, flush=True), memo=memo)

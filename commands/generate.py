@@ -278,7 +278,7 @@ def generate(r: GenerateRequest) -> dict:
     # stage 3 of each prompt, in its folder; one compile cache for both stages
     decode = Stage3Request(input_dir=folders[0], output_dir=None, model=None, vae_path=r.vae_path,
                            fps=r.fps, dtype=stage3.DEFAULT_DTYPE, backend=None, device=None,
-                           compile_cache_dir=sample.compile_cache_dir, patch_parallel=False,
+                           compile_cache_dir=sample.launch.compile_cache_dir, patch_parallel=False,
                            grid=None, tiled=False, tile_size=None)
     if r.fps is not None:
         as_number("--fps", r.fps, minimum=stage3.MIN_FPS, maximum=stage3.MAX_FPS)
@@ -287,16 +287,16 @@ def generate(r: GenerateRequest) -> dict:
     if shared and r.claims_dir is not None:
         check_writable(r.claims_dir, "--claims_dir")
 
-    if sample.multihost:  # before anything touches JAX (importing the backend does)
+    if sample.launch.multihost:  # before anything touches JAX (importing the backend does)
         from tpu.compile import cache_dir_of, enable_compile_cache
         from tpu.distributed import initialize
-        initialize(sample.coordinator_address, sample.num_processes, sample.process_id)
+        initialize(sample.launch.coordinator_address, sample.launch.num_processes, sample.launch.process_id)
         # the processes agree on each prompt's state (`resume.agree`, a psum) before stage 2 turns
         # the persistent cache on: without it there, that program compiled again on every run
-        enable_compile_cache(cache_dir_of(sample.compile_cache_dir))
-    writer = stage2.backend_writer(sample.multihost)
+        enable_compile_cache(cache_dir_of(sample.launch.compile_cache_dir))
+    writer = stage2.backend_writer(sample.launch.multihost)
     root = _root(sample.output_dir)
-    settings = Settings(overwrite=r.overwrite, compare=sample.compare, multihost=sample.multihost,
+    settings = Settings(overwrite=r.overwrite, compare=sample.compare, multihost=sample.launch.multihost,
                         encoder_path=inputs.encoder_path, encoder_device=inputs.encoder_device,
                         vae_path=r.vae_path)
     with one_writer(root, shared=shared) if writer else contextlib.nullcontext():

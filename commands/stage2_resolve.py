@@ -80,21 +80,7 @@ class Stage2Request:
     sample_shift: float | None
     seed: int | None
     num_clips: int | None
-    # where it runs
-    backend: str
-    device: str | None
-    torch_compile: bool
-    offload_model: bool
-    attention: str | None
-    warmup_steps: int
-    compile_cache_dir: str | None
-    sp_size: int
-    cfg_parallel: bool
-    multihost: bool
-    coordinator_address: str | None
-    num_processes: int | None
-    process_id: int | None
-    weight_sharding: str | None
+    launch: Launch  # where it runs
     # budgeted mode
     budget_profile: str | None
     budget_rel_err: float | None
@@ -108,16 +94,6 @@ class Stage2Request:
     compare: bool
     no_progress: bool
     cache: CacheFlags
-
-    @property
-    def launch(self) -> Launch:
-        return Launch(backend=self.backend, device=self.device, attention=self.attention,
-                      torch_compile=self.torch_compile, offload_model=self.offload_model,
-                      compile_cache_dir=self.compile_cache_dir, warmup_steps=self.warmup_steps,
-                      sp_size=self.sp_size, cfg_parallel=self.cfg_parallel,
-                      weight_sharding=self.weight_sharding, multihost=self.multihost,
-                      coordinator_address=self.coordinator_address,
-                      num_processes=self.num_processes, process_id=self.process_id)
 
 
 def request_of(args: argparse.Namespace) -> Stage2Request:
@@ -137,8 +113,9 @@ def _pipeline_name(r: Stage2Request, stage1: dict) -> str:
 
 def _check_flags(r: Stage2Request) -> None:
     """The flags whose valid range does not depend on the model or the inputs."""
-    as_int("--ulysses_size/--sp_size", r.sp_size, minimum=1)
-    as_int("--warmup_steps", r.warmup_steps, minimum=0)
+    launch = r.launch
+    as_int("--ulysses_size/--sp_size", launch.sp_size, minimum=1)
+    as_int("--warmup_steps", launch.warmup_steps, minimum=0)
     if r.budget_rel_err is not None:
         as_number("--budget_rel_err", r.budget_rel_err, above=0.0)
     if r.budget_speedup is not None:
@@ -160,55 +137,57 @@ def _check_flags(r: Stage2Request) -> None:
         if chosen_by:
             raise UsageError(f"budgeted mode chooses the technique; drop {', '.join(chosen_by)} "
                              "(or drop the budget)")
-    if r.backend != "torch" and (r.torch_compile or r.offload_model or r.device):
+    if launch.backend != "torch" and (launch.torch_compile or launch.offload_model or launch.device):
         raise UsageError("--device, --torch_compile and --offload_model belong to --backend torch")
-    if r.backend == "torch" and r.torch_compile and (r.sp_size > 1 or r.cfg_parallel):
+    if launch.backend == "torch" and launch.torch_compile and (launch.sp_size > 1 or launch.cfg_parallel):
         raise UsageError("--torch_compile does not combine with --sp_size > 1 or --cfg_parallel "
                          "(the parallel stages run eagerly)")
-    if r.weight_sharding is not None and r.backend != "jax":
+    if launch.weight_sharding is not None and launch.backend != "jax":
         raise UsageError("--weight_sharding places the JAX backend's weights; the torch backend "
                          "keeps them whole on every rank")
-    if r.weight_sharding == "fsdp" and r.sp_size == 1 and not r.cfg_parallel:
+    if launch.weight_sharding == "fsdp" and launch.sp_size == 1 and not launch.cfg_parallel:
         raise UsageError("--weight_sharding fsdp splits the weights over a mesh of several "
                          "devices; give --sp_size > 1 or --cfg_parallel")
-    if not r.multihost and any(v is not None for v in (r.coordinator_address,
-                                                          r.num_processes, r.process_id)):
+    if not launch.multihost and any(v is not None for v in (launch.coordinator_address,
+                                                          launch.num_processes, launch.process_id)):
         raise UsageError("--coordinator_address, --num_processes and --process_id belong to "
                          "--multihost")
-    if r.multihost and r.backend != "jax":
+    if launch.multihost and launch.backend != "jax":
         raise UsageError("--multihost starts JAX's distributed runtime; the torch backend runs "
                          "several processes under torchrun instead")
-    if r.num_processes is not None:
-        as_int("--num_processes", r.num_processes, minimum=1)
-    if r.process_id is not None:
-        as_int("--process_id", r.process_id, minimum=0,
-               maximum=(r.num_processes - 1) if r.num_processes else None)
+    if launch.num_processes is not None:
+        as_int("--num_processes", launch.num_processes, minimum=1)
+    if launch.process_id is not None:
+        as_int("--process_id", launch.process_id, minimum=0,
+               maximum=(launch.num_processes - 1) if launch.num_processes else None)
     if r.input_dir is not None and r.prompt is not None:
         raise UsageError("--prompt and --input_dir are alternatives: the stage-1 folder holds "
                          "its prompt's embeddings; give one")
-    for flag in ("input_dir", "output_dir", "model_path", "compile_cache_dir", "budget_profile"):
+    for flag in ("input_dir", "output_dir", "model_path", "budget_profile"):
         check_path(f"--{flag}", getattr(r, flag))
-    platforms.check_backend(r.backend, device=r.device, attention=r.attention,
-                            multihost=r.multihost)
+    check_path("--compile_cache_dir", launch.compile_cache_dir)
+    platforms.check_backend(launch.backend, device=launch.device, attention=launch.attention,
+                            multihost=launch.multihost)
 
 
 def _check_launch(r: Stage2Request) -> None:
     """A torchrun world must fit the flags: only the torch backend runs as several processes,
     and then as exactly sp x cfg ranks. Checked on every rank alike (rank 0 says so)."""
+    launch = r.launch
     world = as_int("WORLD_SIZE (set by torchrun)", os.environ.get("WORLD_SIZE", "1"), minimum=1)
-    if r.backend != "torch":
+    if launch.backend != "torch":
         if world > 1:
             raise UsageError(f"launched as {world} processes (torchrun), but --backend "
-                             f"{r.backend} runs as one process per host (its devices split "
+                             f"{launch.backend} runs as one process per host (its devices split "
                              "the tokens with --sp_size; several hosts: --multihost); add "
                              "--backend torch, or run one process")
         return
-    cfg = 2 if r.cfg_parallel else 1
-    if world != r.sp_size * cfg:
+    cfg = 2 if launch.cfg_parallel else 1
+    if world != launch.sp_size * cfg:
         raise UsageError(
-            f"{world} process(es) were launched, but --sp_size {r.sp_size}"
-            f"{' x --cfg_parallel 2' if r.cfg_parallel else ''} needs {r.sp_size * cfg}: "
-            f"run `torchrun --nproc_per_node {r.sp_size * cfg} ...` or change "
+            f"{world} process(es) were launched, but --sp_size {launch.sp_size}"
+            f"{' x --cfg_parallel 2' if launch.cfg_parallel else ''} needs {launch.sp_size * cfg}: "
+            f"run `torchrun --nproc_per_node {launch.sp_size * cfg} ...` or change "
             "--sp_size/--cfg_parallel")
 
 
@@ -274,11 +253,11 @@ def resolve(r: Stage2Request, given: tuple[dict, dict] | None = None) -> RunSpec
     pipe = get_pipeline(name)
     config, budget = _budgeted(r, pipe) if r.budget_profile else (config_of(r.cache),
                                                                       None)
-    if r.offload_model and r.cache.cache_offload is None:
+    if r.launch.offload_model and r.cache.cache_offload is None:
         # Seed 000: with the model offloaded, residuals wait on the host and move on use.
         config = dataclasses.replace(config, offload="cpu")
-    config = with_cfg_parallel(config, r.cfg_parallel, r.cache.cfg_mode)
-    if pipe.task == "s2v" and r.backend == "torch" and (r.sp_size > 1 or r.cfg_parallel):
+    config = with_cfg_parallel(config, r.launch.cfg_parallel, r.cache.cfg_mode)
+    if pipe.task == "s2v" and r.launch.backend == "torch" and (r.launch.sp_size > 1 or r.launch.cfg_parallel):
         # each rank holds a shard of the tokens, and the audio injection regroups all the noisy
         # tokens by frame; the JAX backend's global-view programs run it (--backend jax)
         raise UsageError(f"--model {pipe.name} runs sequence/CFG parallel on the JAX backend only; "
@@ -310,7 +289,7 @@ def resolve(r: Stage2Request, given: tuple[dict, dict] | None = None) -> RunSpec
     seed = as_int(label, value, minimum=-2 ** 63, maximum=2 ** 64 - 1)
     size, latent_shape = size_of(pipe, (r.height, r.width, r.video_length), stage1,
                                  source)
-    cfg_on = check_cfg(config, pipe, guidance, r.cfg_parallel)
+    cfg_on = check_cfg(config, pipe, guidance, r.launch.cfg_parallel)
     outputs = _check_outputs(r)
     tensors, stage1, image = _inputs(r, pipe, given, stage1, source, prompt, encoder,
                                      latent_shape, size, cfg_on, seed)
@@ -419,9 +398,9 @@ def _check_outputs(r: Stage2Request) -> Outputs:
         require_tensorboard()
     if r.plot_png is not None:
         require_pyplot()
-    if r.backend == "jax":
+    if r.launch.backend == "jax":
         from tpu.compile import check_cache_dir
-        check_cache_dir(r.compile_cache_dir)
+        check_cache_dir(r.launch.compile_cache_dir)
     return Outputs(output_dir=output_dir, telemetry_json=r.telemetry_json,
                    telemetry_csv=r.telemetry_csv, plot_png=r.plot_png,
                    tensorboard_dir=r.tensorboard_dir, compare=r.compare,

@@ -43,7 +43,6 @@ from cache.flags import CacheFlags, config_of  # noqa: E402
 from modules.checkpoint import cast_model, load_model  # noqa: E402
 from modules.registry import build_model  # noqa: E402
 from sampling.clips import fit_motion, motion_frames  # noqa: E402
-from sampling.guidance import parse_guidance  # noqa: E402
 from sampling.journal import atomic_write  # noqa: E402
 from sampling.pipelines import get_pipeline  # noqa: E402
 from sampling.run import make_sample, warm_up  # noqa: E402
@@ -134,7 +133,7 @@ def compile_run(request: AotRequest) -> dict:
     steps = steps_of(request.num_inference_steps, pipe)
     shift = shift_of(request.sample_shift, pipe)
     solver = request.sample_solver or pipe.solver
-    guidance = parse_guidance(request.guidance_scale, pipe)  # stage 2's check (a number or a pair)
+    guidance = request.guidance_scale  # read and checked as stage 2 reads it (request_of)
     cfg_on = check_cfg(config, pipe, guidance, request.cfg_parallel)
     fused = config.cfg_mode == "fused"
     if request.swap_experts and request.weight_sharding == "fsdp":

@@ -23,7 +23,6 @@ import time
 import torch
 
 from modules.vae import VAES, spec_for
-from sampling.cli import as_int
 from sampling.journal import atomic_write
 from sampling.pipelines import SizeError, get_pipeline
 from sampling.run_spec import DTYPES
@@ -70,13 +69,10 @@ def compile_decode(request: VaeAotRequest) -> dict:
     prints and writes)."""
     chip, dims = parse_topology(request.topology)
     pipe = get_pipeline(request.model)
-    size = []
-    for flag, default in zip(("height", "width", "video_length"), pipe.size, strict=True):
-        value = getattr(request, flag)
-        size.append(default if value is None else as_int(f"--{flag}", value, minimum=1,
-                                                          expected="a positive integer"))
-    per_call = "auto" if request.frames_per_call is None else as_int(
-        "--frames_per_call", request.frames_per_call, minimum=1, expected="a positive integer")
+    # positive integers where given (commands.vae_aot.request_of), else the pipeline's
+    size = [default if value is None else value for value, default in zip(
+        (request.height, request.width, request.video_length), pipe.size, strict=True)]
+    per_call = "auto" if request.frames_per_call is None else request.frames_per_call
     try:
         latent_shape = pipe.latent_shape(*size)
     except SizeError as exc:
